@@ -1,0 +1,47 @@
+# Every target that needs the environment depends on .venv/.installed, so `make train` and
+# `make test` on a fresh clone install first.
+PY        := .venv/bin/python
+VENV_OK   := .venv/.installed
+export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install train test test-fast lint typecheck check bench soak gpu-check ds-configs clean
+
+install: $(VENV_OK)
+
+$(VENV_OK): pyproject.toml
+	@bash scripts/install.sh
+	@touch $@
+
+train: $(VENV_OK)
+	.venv/bin/llmtrain train --preset tiny --run-dir runs/tiny --resume auto
+
+test: $(VENV_OK)
+	$(PY) -m pytest -q -m "not gpu" tests
+
+test-fast: $(VENV_OK)
+	$(PY) -m pytest -q -m "not gpu and not slow" tests
+
+lint: $(VENV_OK)
+	.venv/bin/ruff check llmtrain tests bench
+	.venv/bin/ruff format --check llmtrain tests bench
+
+typecheck: $(VENV_OK)
+	.venv/bin/mypy
+
+check: lint typecheck test
+
+bench: $(VENV_OK)
+	$(PY) -m bench
+
+soak: $(VENV_OK)
+	$(PY) -m pytest -q -s tests/soak_resume.py
+
+gpu-check: $(VENV_OK)
+	bash scripts/gpu_check.sh
+
+ds-configs: $(VENV_OK)
+	$(PY) -m llmtrain.dsconfig_reference
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,610 @@
+"""One typed configuration tree for everything a run needs.
+
+Layers, lowest first: field defaults < the preset's model shape < `--config FILE` < `--set key=value`
+< first-class flags. `resolve()` applies them and validates once; every error is a `ConfigError`
+whose message names the flag (or key) and how to fix it. Derived numbers (world size, gradient
+accumulation, tokens per step, total steps) are functions below, never fields a user could contradict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from llmtrain.presets import DEFAULT_PRESET, PRESETS
+
+
+class ConfigError(ValueError):
+    """Bad user input. The CLI prints it as one line `error: ...` and exits with code 2."""
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field whose help text becomes the `--set` documentation."""
+    return field(default=default, metadata={"help": help})
+
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Offload = Literal["none", "cpu", "nvme"]
+Checkpointing = Literal["none", "full", "selective"]
+
+
+@dataclass
+class ModelConfig:
+    """Model shape, with Hugging Face LlamaConfig names. Filled from the preset, then overridden."""
+
+    vocab_size: int = _f(8192, "vocabulary size (at least the tokenizer's)")
+    hidden_size: int = _f(256, "model width")
+    intermediate_size: int = _f(688, "SwiGLU MLP width")
+    num_hidden_layers: int = _f(8, "number of transformer blocks")
+    num_attention_heads: int = _f(8, "query heads")
+    num_key_value_heads: int = _f(4, "key/value heads (grouped-query attention); equal to heads for MHA")
+    max_position_embeddings: int = _f(1024, "longest sequence the model is built for")
+    rope_theta: float = _f(10000.0, "rotary embedding base")
+    rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    tie_word_embeddings: bool = _f(False, "share the input embedding with the output projection")
+    initializer_range: float = _f(0.02, "std of the normal initialisation")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class DataConfig:
+    source: str | None = _f(
+        None, "text source: file, directory, glob, save_to_disk dir or hub name; none = built-in corpus"
+    )
+    text_field: str = _f("text", "field holding the text in JSONL / Parquet / CSV / datasets")
+    hub_config: str | None = _f(None, "configuration name of a hub dataset")
+    streaming: bool = _f(False, "stream a hub dataset instead of downloading it whole")
+    tokenizer: str | None = _f(None, "tokenizer.json or a local Hugging Face tokenizer directory")
+    cache_dir: str | None = _f(None, "where prepared token shards go (default ~/.cache/llmtrain/data)")
+    val_fraction: float = _f(0.02, "fraction of documents held out for validation")
+    split_seed: int = _f(1234, "seed of the train/validation split")
+    document_masking: bool = _f(False, "attention does not cross document boundaries")
+    num_proc: int = _f(2, "tokenization processes")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    weight_decay: float = _f(0.1, "AdamW weight decay on weight matrices (not norms or embeddings)")
+    beta1: float = _f(0.9, "Adam beta1")
+    beta2: float = _f(0.95, "Adam beta2")
+    eps: float = _f(1e-8, "Adam epsilon")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 disables")
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["cosine", "wsd", "linear", "constant"] = _f("cosine", "learning-rate schedule")
+    warmup_steps: int = _f(100, "linear warmup steps")
+    min_lr_ratio: float = _f(0.1, "final LR as a fraction of the peak (cosine, linear, wsd)")
+    decay_fraction: float = _f(0.2, "wsd: fraction of the run spent in the final decay")
+    decay_shape: Literal["linear", "cosine", "sqrt"] = _f("linear", "wsd: shape of the final decay")
+
+
+@dataclass
+class TrainSection:
+    steps: int | None = _f(None, "optimizer steps to train (or give --tokens)")
+    tokens: int | None = _f(None, "tokens to train; converted to steps")
+    micro_batch: int = _f(8, "sequences per process per forward pass")
+    global_batch: int | None = _f(None, "sequences per optimizer step; default micro_batch x world size")
+    seq_len: int = _f(256, "tokens per training sequence")
+    precision: Precision = _f("bf16", "bf16, fp16 (GPU only) or fp32")
+    seed: int = _f(0, "seed for initialisation, data order and dropout-free sampling")
+    activation_checkpointing: Checkpointing = _f("none", "recompute activations in backward")
+    checkpoint_every_k: int = _f(2, "selective checkpointing: every k-th block")
+    compile: bool = _f(False, "torch.compile each transformer block")
+    eval_every: int | None = _f(None, "evaluate on the validation split every N steps")
+    eval_batches: int = _f(8, "validation batches per evaluation")
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = _f(1, "ZeRO stage 0-3")
+    offload: Offload = _f("none", "offload optimizer states (and stage-3 parameters) to cpu or nvme")
+    nvme_path: str | None = _f(None, "directory for NVMe offload")
+    overlap_comm: bool = _f(True, "overlap gradient reduction with backward")
+    reduce_bucket_size: int | None = _f(None, "elements per reduce bucket; none = hidden_size^2")
+    allgather_bucket_size: int | None = _f(None, "elements per allgather bucket (stages 1-2)")
+    prefetch_bucket_size: int | None = _f(None, "stage 3 prefetch elements; none = 0.9 * hidden_size^2")
+    param_persistence_threshold: int | None = _f(None, "stage 3: keep smaller params; none = 10*hidden")
+    max_live_parameters: int | None = _f(None, "stage 3 live parameter limit (elements)")
+
+
+@dataclass
+class CheckpointSection:
+    save_every: int | None = _f(None, "save every N steps")
+    save_every_minutes: float | None = _f(None, "save every N minutes of wall time")
+    keep: int | None = _f(3, "keep the last N complete checkpoints; none keeps all")
+    keep_every: int | None = _f(None, "also keep every checkpoint whose step is a multiple of M")
+    strict: bool = _f(False, "resume refuses a corrupt checkpoint instead of falling back")
+    on_save_failure: Literal["continue", "stop"] = _f("continue", "after a failed save: warn and retry, or stop")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = _f(10, "write metrics every N steps")
+    wandb: Literal["off", "offline", "online"] = _f("off", "Weights & Biases logging")
+    wandb_project: str = _f("llmtrain", "wandb project")
+    run_name: str | None = _f(None, "run name; default derived from the run directory")
+
+
+@dataclass
+class StabilityConfig:
+    policy: Literal["warn", "skip"] = _f("skip", "what a loss or grad-norm spike does")
+    loss_spike_std: float = _f(6.0, "a loss this many std above the window mean is a spike")
+    grad_spike_std: float = _f(6.0, "a grad norm this many std above the window mean is a spike")
+    window: int = _f(50, "steps in the running window")
+    min_history: int = _f(20, "steps of history before spikes are judged")
+    max_consecutive_skips: int = _f(5, "stop the run after this many skipped steps in a row")
+
+
+@dataclass
+class LaunchConfig:
+    gpus: int = _f(1, "processes per node (GPUs, or gloo processes on a CPU machine)")
+    nodes: int = _f(1, "number of nodes")
+    hostfile: str | None = _f(None, "DeepSpeed hostfile: one `host slots=N` line per node")
+    launcher: Literal["pdsh", "openmpi", "mvapich", "slurm", "impi", "mpich"] = _f(
+        "pdsh", "DeepSpeed multi-node runner"
+    )
+    master_addr: str | None = _f(None, "address of rank 0 for multi-node runs")
+    master_port: int = _f(29500, "port of rank 0")
+    collective_timeout_s: float = _f(600.0, "abort when a collective waits longer than this")
+
+
+@dataclass
+class TrainConfig:
+    preset: str = _f(DEFAULT_PRESET, "named model size; model.* keys override its values")
+    run_dir: str | None = _f(None, "run directory; default runs/<readable-name>")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    # ---- derived numbers: functions, never fields ----
+    @property
+    def world_size(self) -> int:
+        return self.launch.gpus * self.launch.nodes
+
+    @property
+    def global_batch(self) -> int:
+        return self.train.global_batch or self.train.micro_batch * self.world_size
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.train.micro_batch * self.world_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.train.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        if self.train.tokens is not None:
+            return max(1, -(-self.train.tokens // self.tokens_per_step))
+        return self.train.steps if self.train.steps is not None else DEFAULT_STEPS
+
+
+DEFAULT_STEPS = 1000
+
+# First-class CLI flags and the keys they set, so errors can name what the user typed.
+FLAG_KEYS: dict[str, str] = {
+    "--preset": "preset",
+    "--run-dir": "run_dir",
+    "--data": "data.source",
+    "--tokenizer": "data.tokenizer",
+    "--text-field": "data.text_field",
+    "--zero": "zero.stage",
+    "--offload": "zero.offload",
+    "--nvme-path": "zero.nvme_path",
+    "--precision": "train.precision",
+    "--micro-batch": "train.micro_batch",
+    "--global-batch": "train.global_batch",
+    "--seq-len": "train.seq_len",
+    "--steps": "train.steps",
+    "--tokens": "train.tokens",
+    "--seed": "train.seed",
+    "--activation-checkpointing": "train.activation_checkpointing",
+    "--compile": "train.compile",
+    "--eval-every": "train.eval_every",
+    "--lr": "optim.lr",
+    "--schedule": "schedule.name",
+    "--warmup-steps": "schedule.warmup_steps",
+    "--save-every": "checkpoint.save_every",
+    "--save-every-minutes": "checkpoint.save_every_minutes",
+    "--keep": "checkpoint.keep",
+    "--keep-every": "checkpoint.keep_every",
+    "--log-every": "logging.log_every",
+    "--wandb": "logging.wandb",
+    "--gpus": "launch.gpus",
+    "--nodes": "launch.nodes",
+    "--hostfile": "launch.hostfile",
+    "--launcher": "launch.launcher",
+    "--master-addr": "launch.master_addr",
+    "--master-port": "launch.master_port",
+    "--collective-timeout": "launch.collective_timeout_s",
+}
+_KEY_FLAGS = {key: flag for flag, key in FLAG_KEYS.items()}
+
+
+def flag_for(key: str) -> str:
+    """How to name a key in an error: its flag when it has one, else `--set key`."""
+    return _KEY_FLAGS.get(key, f"--set {key}")
+
+
+# ---------------------------------------------------------------- key paths and types
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def all_keys() -> dict[str, Any]:
+    """Every settable dotted key with its type annotation."""
+    keys: dict[str, Any] = {}
+    top_hints = typing.get_type_hints(TrainConfig)
+    sections = _section_types()
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in sections:
+            hints = typing.get_type_hints(sections[f.name])
+            for sub in dataclasses.fields(sections[f.name]):
+                keys[f"{f.name}.{sub.name}"] = hints[sub.name]
+        else:
+            keys[f.name] = top_hints[f.name]
+    return keys
+
+
+def key_help() -> dict[str, str]:
+    """Help text of every key, from the field metadata."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _section_types():
+            for sub in dataclasses.fields(_section_types()[f.name]):
+                out[f"{f.name}.{sub.name}"] = sub.metadata.get("help", "")
+        else:
+            out[f.name] = f.metadata.get("help", "")
+    return out
+
+
+def _check_key(key: str) -> Any:
+    keys = all_keys()
+    if key not in keys:
+        close = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else "; see `llmtrain config --list-keys`"
+        raise ConfigError(f"unknown config key {key!r}{hint}")
+    return keys[key]
+
+
+def _is_optional(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
+
+
+def _base_type(tp: Any) -> Any:
+    if _is_optional(tp):
+        return next(a for a in get_args(tp) if a is not type(None))
+    return tp
+
+
+def _type_name(tp: Any) -> str:
+    base = _base_type(tp)
+    if get_origin(base) is Literal:
+        name = " | ".join(str(a) for a in get_args(base))
+    else:
+        name = getattr(base, "__name__", str(base))
+    return f"{name} or none" if _is_optional(tp) else name
+
+
+def coerce(key: str, value: Any, where: str) -> Any:
+    """Parse a string (from --set or a flag) or check a YAML value against the key's type."""
+    tp = _check_key(key)
+    base = _base_type(tp)
+    if get_origin(base) is Literal and str(value).strip() in map(str, get_args(base)):
+        return _coerce_to(base, value)  # a choice may itself be spelled "none"
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        if _is_optional(tp):
+            return None
+        raise ConfigError(f"{where}: {key} needs a value of type {_type_name(tp)}")
+    try:
+        return _coerce_to(base, value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {value!r}") from None
+
+
+def _coerce_to(base: Any, value: Any) -> Any:
+    if get_origin(base) is Literal:
+        allowed = get_args(base)
+        for option in allowed:
+            if str(option) == str(value).strip():
+                return option
+        raise ValueError(value)
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(value)
+    if base is int:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        # Accept 1e6 and 1_000_000 for token and step counts.
+        text = str(value).strip().replace("_", "")
+        number = float(text) if ("e" in text.lower() or "." in text) else int(text)
+        if isinstance(number, float) and not number.is_integer():
+            raise ValueError(value)
+        return int(number)
+    if base is float:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(str(value).strip().replace("_", ""))
+    if base is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(value)
+        return str(value)
+    raise TypeError(base)
+
+
+# ---------------------------------------------------------------- layering
+
+
+def _set(cfg: TrainConfig, key: str, value: Any) -> None:
+    obj: Any = cfg
+    *parents, last = key.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def get(cfg: TrainConfig, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file as flat dotted keys (type-checked later, when applied)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: file not found; pass an existing YAML file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"--config {path}: not valid YAML{line}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
+    return _flatten(data)
+
+
+def parse_set(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set optim.lr=1e-3")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value
+    return out
+
+
+def apply_preset(cfg: TrainConfig, name: str, where: str = "--preset") -> None:
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list(PRESETS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{where}: unknown preset {name!r}{hint}; choose one of {', '.join(PRESETS)}")
+    cfg.preset = name
+    cfg.model = ModelConfig(**PRESETS[name])
+
+
+def resolve(
+    config_file: str | Path | None = None,
+    sets: list[str] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> TrainConfig:
+    """Build and validate a TrainConfig: defaults < preset < file < --set < flags."""
+    file_values = load_yaml(config_file) if config_file else {}
+    set_values = parse_set(sets or [])
+    flag_values = {k: v for k, v in (flags or {}).items() if v is not None}
+    for key in flag_values:
+        _check_key(key)
+
+    cfg = TrainConfig()
+    preset, where = DEFAULT_PRESET, "preset"
+    for layer, name in ((file_values, f"--config {config_file}"), (set_values, "--set"), (flag_values, "--preset")):
+        if "preset" in layer:
+            preset, where = str(layer["preset"]), name
+    apply_preset(cfg, preset, where)
+
+    for layer, name in ((file_values, f"--config {config_file}"), (set_values, "--set")):
+        for key, value in layer.items():
+            if key != "preset":
+                _set(cfg, key, coerce(key, value, name))
+    for key, value in flag_values.items():
+        if key != "preset":
+            _set(cfg, key, coerce(key, value, flag_for(key)))
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def from_dict(data: dict[str, Any], where: str = "config") -> TrainConfig:
+    """Rebuild a config from `to_dict` output (e.g. a run's config.yaml), validated."""
+    flat = _flatten(data)
+    cfg = TrainConfig()
+    apply_preset(cfg, str(flat.get("preset", DEFAULT_PRESET)), where)
+    for key, value in flat.items():
+        if key != "preset":
+            _set(cfg, key, coerce(key, value, where))
+    validate(cfg)
+    return cfg
+
+
+def load_run_config(path: str | Path) -> TrainConfig:
+    return from_dict(yaml.safe_load(Path(path).read_text()) or {}, where=str(path))
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag_for(key)}: {message}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every check that does not need the hardware; the rest is in dsconfig.check_hardware."""
+    _validate_model(cfg.model)
+    _validate_train(cfg)
+    _validate_zero(cfg)
+    _validate_other(cfg)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ):
+        _require(getattr(m, key) > 0, f"model.{key}", f"must be positive, got {getattr(m, key)}")
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        "model.num_attention_heads",
+        f"{m.num_attention_heads} heads do not divide hidden_size {m.hidden_size}",
+    )
+    _require(
+        m.num_attention_heads % m.num_key_value_heads == 0,
+        "model.num_key_value_heads",
+        f"{m.num_key_value_heads} KV heads do not divide {m.num_attention_heads} attention heads",
+    )
+    _require(m.head_dim % 2 == 0, "model.hidden_size", f"head dim {m.head_dim} must be even for RoPE")
+    _require(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    _require(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
+
+
+def _validate_train(cfg: TrainConfig) -> None:
+    t = cfg.train
+    _require(t.micro_batch > 0, "train.micro_batch", f"must be positive, got {t.micro_batch}")
+    _require(t.seq_len > 0, "train.seq_len", f"must be positive, got {t.seq_len}")
+    _require(
+        t.seq_len <= cfg.model.max_position_embeddings,
+        "train.seq_len",
+        f"{t.seq_len} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}; "
+        "lower --seq-len or --set model.max_position_embeddings",
+    )
+    _require(
+        not (t.steps is not None and t.tokens is not None),
+        "train.tokens",
+        "give either --steps or --tokens, not both",
+    )
+    _require(t.steps is None or t.steps > 0, "train.steps", f"must be positive, got {t.steps}")
+    _require(t.tokens is None or t.tokens > 0, "train.tokens", f"must be positive, got {t.tokens}")
+    _require(t.checkpoint_every_k > 0, "train.checkpoint_every_k", "must be positive")
+    _require(t.eval_every is None or t.eval_every > 0, "train.eval_every", "must be positive")
+    _require(t.eval_batches > 0, "train.eval_batches", "must be positive")
+    _require(cfg.launch.gpus > 0, "launch.gpus", f"must be at least 1, got {cfg.launch.gpus}")
+    _require(cfg.launch.nodes > 0, "launch.nodes", f"must be at least 1, got {cfg.launch.nodes}")
+    per_step = t.micro_batch * cfg.world_size
+    if t.global_batch is not None:
+        _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
+        _require(
+            t.global_batch % per_step == 0,
+            "train.global_batch",
+            f"{t.global_batch} is not divisible by micro-batch {t.micro_batch} x world size "
+            f"{cfg.world_size} = {per_step}; use a multiple of {per_step}",
+        )
+    o = cfg.optim
+    _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
+    _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
+    _require(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+    s = cfg.schedule
+    _require(s.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
+    _require(0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]")
+    _require(0 < s.decay_fraction <= 1, "schedule.decay_fraction", "must be in (0, 1]")
+
+
+def _validate_zero(cfg: TrainConfig) -> None:
+    z = cfg.zero
+    _require(z.stage in (0, 1, 2, 3), "zero.stage", f"invalid stage {z.stage}; valid values: 0, 1, 2, 3")
+    _require(
+        not (z.stage == 0 and z.offload != "none"),
+        "zero.offload",
+        f"offload {z.offload} needs ZeRO stage 1, 2 or 3; add --zero 2 or --zero 3",
+    )
+    _require(
+        not (z.offload == "nvme" and not z.nvme_path),
+        "zero.nvme_path",
+        "--offload nvme needs --nvme-path DIR on a fast local disk",
+    )
+    _require(
+        not (z.offload == "nvme" and z.stage != 3),
+        "zero.offload",
+        "NVMe offload needs ZeRO stage 3; add --zero 3",
+    )
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
+        value = getattr(z, key)
+        _require(value is None or value > 0, f"zero.{key}", f"must be positive, got {value}")
+
+
+def _validate_other(cfg: TrainConfig) -> None:
+    c = cfg.checkpoint
+    _require(c.save_every is None or c.save_every > 0, "checkpoint.save_every", "must be positive")
+    _require(
+        c.save_every_minutes is None or c.save_every_minutes > 0,
+        "checkpoint.save_every_minutes",
+        "must be positive",
+    )
+    _require(c.keep is None or c.keep > 0, "checkpoint.keep", "must be at least 1 (or none to keep all)")
+    _require(c.keep_every is None or c.keep_every > 0, "checkpoint.keep_every", "must be positive")
+    _require(cfg.logging.log_every > 0, "logging.log_every", "must be positive")
+    st = cfg.stability
+    _require(st.window > 1, "stability.window", "must be at least 2")
+    _require(st.max_consecutive_skips > 0, "stability.max_consecutive_skips", "must be positive")
+    _require(cfg.launch.collective_timeout_s > 0, "launch.collective_timeout_s", "must be positive")
+    _require(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
+    _require(cfg.data.num_proc > 0, "data.num_proc", "must be positive")
