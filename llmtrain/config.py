@@ -127,7 +127,9 @@ class CheckpointSection:
     keep: int | None = _f(3, "keep the last N complete checkpoints; none keeps all")
     keep_every: int | None = _f(None, "also keep every checkpoint whose step is a multiple of M")
     strict: bool = _f(False, "resume refuses a corrupt checkpoint instead of falling back")
-    on_save_failure: Literal["continue", "stop"] = _f("continue", "after a failed save: warn and retry, or stop")
+    on_save_failure: Literal["continue", "stop"] = _f(
+        "continue", "after a failed save: warn and retry, or stop"
+    )
 
 
 @dataclass
@@ -252,7 +254,11 @@ def flag_for(key: str) -> str:
 
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(TrainConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(hints[f.name])}
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(TrainConfig)
+        if dataclasses.is_dataclass(hints[f.name])
+    }
 
 
 def all_keys() -> dict[str, Any]:
@@ -444,7 +450,11 @@ def resolve(
 
     cfg = TrainConfig()
     preset, where = DEFAULT_PRESET, "preset"
-    for layer, name in ((file_values, f"--config {config_file}"), (set_values, "--set"), (flag_values, "--preset")):
+    for layer, name in (
+        (file_values, f"--config {config_file}"),
+        (set_values, "--set"),
+        (flag_values, "--preset"),
+    ):
         if "preset" in layer:
             preset, where = str(layer["preset"]), name
     apply_preset(cfg, preset, where)

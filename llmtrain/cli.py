@@ -1,0 +1,235 @@
+"""The `llmtrain` command line. Thin: parse, build the config, call one function.
+
+The train flags are derived from the config tree (config.FLAG_KEYS): each flag's help is its field's
+help and its value is parsed by config.coerce, so a flag and `--set` can never disagree. Known errors
+become one line `error: ...` with exit code 2 (bad input) or 1 (failure during a run); the traceback
+appears only with `--debug`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from typer._click.exceptions import ClickException, UsageError  # typer vendors click
+
+from llmtrain import __version__
+from llmtrain import config as config_mod
+from llmtrain.config import ConfigError
+
+app = typer.Typer(
+    name="llmtrain",
+    help="Train Llama-style language models with DeepSpeed, from one CPU to a GPU cluster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+_state = {"debug": False}
+
+
+class RunFailed(RuntimeError):
+    """A failure during a run (exit code 1); the checkpoint directory is left consistent."""
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llmtrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+# ---------------------------------------------------------------- train flags, derived from the tree
+
+
+def _flag_param(flag: str, key: str) -> inspect.Parameter:
+    tp = config_mod.all_keys()[key]
+    help_text = config_mod.key_help()[key]
+    name = flag.lstrip("-").replace("-", "_")
+    if config_mod._base_type(tp) is bool:
+        option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
+        annotation: Any = Annotated[Optional[bool], option]  # noqa: UP045 (typer needs Optional here)
+    else:
+        metavar = config_mod._type_name(tp).replace(" or none", "").upper().replace(" ", "")
+        option = typer.Option(flag, help=help_text, metavar=metavar, show_default=False)
+        annotation = Annotated[Optional[str], option]  # noqa: UP045
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+
+
+def _common_params() -> list[inspect.Parameter]:
+    config_file = Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--config", help="YAML config file (sections as in `llmtrain config --list-keys`)."),
+    ]
+    sets = Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option("--set", help="Override any key: --set section.key=value (repeatable)."),
+    ]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    return [
+        inspect.Parameter("config_file", kw, default=None, annotation=config_file),
+        inspect.Parameter("set_", kw, default=None, annotation=sets),
+    ]
+
+
+def with_train_flags(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add `--config`, `--set` and every first-class train flag; call `func(cfg_args, **rest)`.
+
+    `cfg_args` is a dict for config.resolve: config_file, sets, flags (key -> raw string).
+    """
+    own = list(inspect.signature(func).parameters.values())[1:]
+    flag_params = [_flag_param(flag, key) for flag, key in config_mod.FLAG_KEYS.items()]
+    names = {p.name: config_mod.FLAG_KEYS[f"--{p.name.replace('_', '-')}"] for p in flag_params}
+
+    @functools.wraps(func)
+    def wrapper(**kwargs: Any) -> Any:
+        flags = {names[n]: kwargs.pop(n) for n in list(kwargs) if n in names}
+        cfg_args = {
+            "config_file": kwargs.pop("config_file"),
+            "sets": kwargs.pop("set_") or [],
+            "flags": flags,
+        }
+        return func(cfg_args, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(own + _common_params() + flag_params)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def resolve_config(cfg_args: dict[str, Any]) -> config_mod.TrainConfig:
+    return config_mod.resolve(cfg_args["config_file"], cfg_args["sets"], cfg_args["flags"])
+
+
+# ---------------------------------------------------------------- verbs
+
+
+@app.command("config")
+@with_train_flags
+def config_cmd(
+    cfg_args: dict[str, Any],
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="Write the JSON here instead of stdout.")
+    ] = None,  # noqa: UP045
+    world_size: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            "--world-size", help="World size to derive the batch triple for (default --gpus x --nodes)."
+        ),
+    ] = None,
+    resolved: Annotated[
+        bool, typer.Option("--resolved", help="Print the resolved llmtrain YAML instead.")
+    ] = False,
+    list_keys: Annotated[
+        bool, typer.Option("--list-keys", help="List every config key with its help.")
+    ] = False,
+) -> None:
+    """Print the DeepSpeed JSON config the flags produce (what `train` would hand to DeepSpeed)."""
+    if list_keys:
+        _print_keys()
+        return
+    from llmtrain import dsconfig
+    from llmtrain.distributed import select_accelerator
+
+    cfg = resolve_config(cfg_args)
+    if resolved:
+        _emit(config_mod.dump_yaml(cfg), out)
+        return
+    world = world_size if world_size is not None else cfg.world_size
+    if world < 1:
+        raise ConfigError(f"--world-size: must be at least 1, got {world}")
+    ds = dsconfig.build(cfg, world, accelerator=select_accelerator())
+    _emit(json.dumps(ds, indent=2) + "\n", out)
+
+
+def _print_keys() -> None:
+    keys, helps = config_mod.all_keys(), config_mod.key_help()
+    for key in keys:
+        flag = config_mod.flag_for(key)
+        via = f" ({flag})" if not flag.startswith("--set") else ""
+        print(
+            f"{key}{via}: {config_mod._type_name(keys[key])} = {config_mod.get(config_mod.TrainConfig(), key)!r}"
+        )
+        print(f"    {helps[key]}")
+
+
+def _emit(text: str, out: Path | None) -> None:
+    if out is None:
+        sys.stdout.write(text)
+        return
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def _not_yet(verb: str) -> Callable[..., None]:
+    def command(args: Annotated[Optional[list[str]], typer.Argument(hidden=True)] = None) -> None:  # noqa: UP045
+        raise ConfigError(f"`llmtrain {verb}` is not available yet in this version")
+
+    command.__doc__ = f"(not available yet) {verb}"
+    return command
+
+
+for _verb in ("train", "resume", "estimate-memory", "prepare-data", "eval", "generate", "export", "runs"):
+    app.command(_verb, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
+        _not_yet(_verb)
+    )
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: runs the app and turns known errors into one line and an exit code."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="llmtrain", standalone_mode=False)
+        return int(result) if isinstance(result, int) else 0
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        return 130
+    except (UsageError, ClickException) as exc:
+        return _fail(exc, 2, _usage_message(exc))
+    except ConfigError as exc:
+        return _fail(exc, 2, str(exc))
+    except RunFailed as exc:
+        return _fail(exc, 1, str(exc))
+    except KeyboardInterrupt as exc:
+        return _fail(exc, 130, "interrupted")
+
+
+def _usage_message(exc: ClickException) -> str:
+    message = exc.format_message().replace("\n", " ")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None:
+        message += f"; see `{ctx.command_path} --help`"
+    return message
+
+
+def _fail(exc: BaseException, code: int, message: str) -> int:
+    if _state["debug"] or "--debug" in sys.argv:
+        import traceback
+
+        traceback.print_exception(exc)
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def run() -> None:
+    sys.exit(main())

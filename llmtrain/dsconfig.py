@@ -1,0 +1,170 @@
+"""TrainConfig -> the DeepSpeed config dict. The only place that writes DeepSpeed keys.
+
+Batch triple, clipping, precision, optimizer and ZeRO settings are all derived here from one
+TrainConfig and the world size, so no key is ever set in two places (gpt-neox's mixed YAML is the
+cautionary tale). Bucket sizes scale with the model like Hugging Face's "auto" values: DeepSpeed's
+defaults allocate a 1 GB reduce bucket under ZeRO-3 even for a 7M-parameter model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.config import ConfigError, ModelConfig, TrainConfig, flag_for
+
+# Buckets below this many elements only add per-collective latency: a whole small model fits in one.
+MIN_BUCKET_ELEMENTS = 1 << 20
+# DeepSpeed reads the LR from the param groups; llmtrain sets it every step from schedule.lr_at.
+_NEVER_PRINT = 1 << 30
+
+
+def bucket_sizes(model: ModelConfig) -> dict[str, int]:
+    """Communication bucket sizes (elements) derived from the hidden size, as HF's "auto" does."""
+    h2 = model.hidden_size * model.hidden_size
+    return {
+        "reduce_bucket_size": max(h2, MIN_BUCKET_ELEMENTS),
+        "allgather_bucket_size": max(h2, MIN_BUCKET_ELEMENTS),
+        "stage3_prefetch_bucket_size": max(int(0.9 * h2), MIN_BUCKET_ELEMENTS),
+        "stage3_param_persistence_threshold": 10 * model.hidden_size,
+        "stage3_max_live_parameters": max(1_000_000_000, h2),
+        "stage3_max_reuse_distance": max(1_000_000_000, h2),
+    }
+
+
+def batch_triple(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps) for this world size."""
+    micro = cfg.train.micro_batch
+    per_step = micro * world_size
+    global_batch = cfg.train.global_batch or per_step
+    if global_batch % per_step:
+        raise ConfigError(
+            f"{flag_for('train.global_batch')}: {global_batch} is not divisible by micro-batch {micro} x "
+            f"world size {world_size} = {per_step}; use a multiple of {per_step}"
+        )
+    return global_batch, micro, global_batch // per_step
+
+
+def check_hardware(cfg: TrainConfig, accelerator: str) -> None:
+    """Checks that need to know the accelerator ("cuda" or "cpu")."""
+    if cfg.train.precision == "fp16" and accelerator != "cuda":
+        raise ConfigError(
+            f"{flag_for('train.precision')}: fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no "
+            "fp16 kernels); use --precision bf16 or fp32"
+        )
+
+
+def build(cfg: TrainConfig, world_size: int, accelerator: str = "cpu") -> dict[str, Any]:
+    """The DeepSpeed config dict for `deepspeed.initialize(config=...)`."""
+    check_hardware(cfg, accelerator)
+    train_batch, micro, accum = batch_triple(cfg, world_size)
+    ds: dict[str, Any] = {
+        "train_batch_size": train_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "optimizer": _optimizer(cfg, accelerator),
+        "zero_optimization": _zero(cfg),
+        "steps_per_print": _NEVER_PRINT,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    ds.update(_precision(cfg))
+    return ds
+
+
+def _optimizer(cfg: TrainConfig, accelerator: str) -> dict[str, Any]:
+    o = cfg.optim
+    params: dict[str, Any] = {
+        "lr": o.lr,
+        "betas": [o.beta1, o.beta2],
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+    }
+    # Offload: DeepSpeed picks its CPU Adam. On GPU: FusedAdam. On a CPU machine without offload,
+    # torch's AdamW (FusedAdam would JIT-build a kernel that is no faster there).
+    if cfg.zero.offload == "none" and accelerator == "cpu":
+        params["torch_adam"] = True
+    return {"type": "AdamW", "params": params}
+
+
+def _precision(cfg: TrainConfig) -> dict[str, Any]:
+    precision = cfg.train.precision
+    if precision == "bf16":
+        out: dict[str, Any] = {"bf16": {"enabled": True, "check_grad_overflow": True}}
+        if cfg.zero.stage > 0:
+            # Accumulate gradients across micro-batches in fp32, not bf16.
+            out["data_types"] = {"grad_accum_dtype": "fp32"}
+        return out
+    if precision == "fp16":
+        return {
+            "fp16": {
+                "enabled": True,
+                "loss_scale": 0,  # dynamic
+                "initial_scale_power": 16,
+                "loss_scale_window": 1000,
+                "hysteresis": 2,
+                "min_loss_scale": 1,
+            }
+        }
+    return {}
+
+
+def _zero(cfg: TrainConfig) -> dict[str, Any]:
+    z = cfg.zero
+    if z.stage == 0:
+        return {"stage": 0}
+    sizes = bucket_sizes(cfg.model)
+    out: dict[str, Any] = {
+        "stage": z.stage,
+        "overlap_comm": z.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": z.reduce_bucket_size or sizes["reduce_bucket_size"],
+    }
+    if z.stage in (1, 2):
+        out["allgather_bucket_size"] = z.allgather_bucket_size or sizes["allgather_bucket_size"]
+    if z.stage == 3:
+        out.update(
+            stage3_prefetch_bucket_size=z.prefetch_bucket_size or sizes["stage3_prefetch_bucket_size"],
+            stage3_param_persistence_threshold=(
+                z.param_persistence_threshold
+                if z.param_persistence_threshold is not None
+                else sizes["stage3_param_persistence_threshold"]
+            ),
+            stage3_max_live_parameters=z.max_live_parameters or sizes["stage3_max_live_parameters"],
+            stage3_max_reuse_distance=sizes["stage3_max_reuse_distance"],
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    if z.offload != "none":
+        out["offload_optimizer"] = _offload_target(cfg)
+        if z.stage == 3:
+            out["offload_param"] = _offload_target(cfg)
+    return out
+
+
+def _offload_target(cfg: TrainConfig) -> dict[str, Any]:
+    if cfg.zero.offload == "cpu":
+        return {"device": "cpu", "pin_memory": True}
+    return {"device": "nvme", "nvme_path": cfg.zero.nvme_path, "pin_memory": True, "buffer_count": 5}
+
+
+# The reference set in ds_configs/: what `llmtrain config` prints for a 7B model on one GPU with
+# 8 accumulation steps. A test keeps the files in sync with this code and feeds each to DeepSpeed.
+REFERENCE_FLAGS: dict[str, dict[str, Any]] = {
+    "zero1": {"zero.stage": 1},
+    "zero2": {"zero.stage": 2},
+    "zero3": {"zero.stage": 3},
+    "zero2_offload_cpu": {"zero.stage": 2, "zero.offload": "cpu"},
+    "zero3_offload_cpu": {"zero.stage": 3, "zero.offload": "cpu"},
+    "zero3_offload_nvme": {"zero.stage": 3, "zero.offload": "nvme", "zero.nvme_path": "/local_nvme"},
+}
+REFERENCE_COMMON: dict[str, Any] = {"preset": "7b", "train.micro_batch": 4, "train.global_batch": 32}
+
+
+def reference_configs() -> dict[str, dict[str, Any]]:
+    from llmtrain.config import resolve
+
+    return {
+        name: build(resolve(flags={**REFERENCE_COMMON, **flags}), world_size=1, accelerator="cuda")
+        for name, flags in REFERENCE_FLAGS.items()
+    }
