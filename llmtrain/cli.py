@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from typer._click.exceptions import ClickException, UsageError  # typer vendors click
@@ -63,21 +63,21 @@ def _flag_param(flag: str, key: str) -> inspect.Parameter:
     name = flag.lstrip("-").replace("-", "_")
     if config_mod._base_type(tp) is bool:
         option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
-        annotation: Any = Annotated[Optional[bool], option]  # noqa: UP045 (typer needs Optional here)
+        annotation: Any = Annotated[bool | None, option]
     else:
         metavar = config_mod._type_name(tp).replace(" or none", "").upper().replace(" ", "")
         option = typer.Option(flag, help=help_text, metavar=metavar, show_default=False)
-        annotation = Annotated[Optional[str], option]  # noqa: UP045
+        annotation = Annotated[str | None, option]
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
 def _common_params() -> list[inspect.Parameter]:
     config_file = Annotated[
-        Optional[Path],  # noqa: UP045
+        Path | None,
         typer.Option("--config", help="YAML config file (sections as in `llmtrain config --list-keys`)."),
     ]
     sets = Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option("--set", help="Override any key: --set section.key=value (repeatable)."),
     ]
     kw = inspect.Parameter.KEYWORD_ONLY
@@ -121,11 +121,9 @@ def resolve_config(cfg_args: dict[str, Any]) -> config_mod.TrainConfig:
 @with_train_flags
 def config_cmd(
     cfg_args: dict[str, Any],
-    out: Annotated[
-        Optional[Path], typer.Option("--out", help="Write the JSON here instead of stdout.")
-    ] = None,  # noqa: UP045
+    out: Annotated[Path | None, typer.Option("--out", help="Write the JSON here instead of stdout.")] = None,
     world_size: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(
             "--world-size", help="World size to derive the batch triple for (default --gpus x --nodes)."
         ),
@@ -177,7 +175,7 @@ def _emit(text: str, out: Path | None) -> None:
 
 
 def _not_yet(verb: str) -> Callable[..., None]:
-    def command(args: Annotated[Optional[list[str]], typer.Argument(hidden=True)] = None) -> None:  # noqa: UP045
+    def command(args: Annotated[list[str] | None, typer.Argument(hidden=True)] = None) -> None:
         raise ConfigError(f"`llmtrain {verb}` is not available yet in this version")
 
     command.__doc__ = f"(not available yet) {verb}"
