@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,8 @@ def read_wandb_file(path: Path) -> list[Any]:
             continue
         length = int.from_bytes(data[pos + 4 : pos + 6], "little")
         kind = data[pos + 6]
+        if pos + 7 + length > len(data):  # still being written
+            break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST chunk
@@ -250,8 +253,15 @@ def read_wandb_file(path: Path) -> list[Any]:
 
 
 def wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
+    # wandb-core writes the file from its own process and may still be flushing when finish() returns:
+    # wait for the run's closing `exit` record.
+    deadline = time.monotonic() + 30
+    records = read_wandb_file(run_file)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        records = read_wandb_file(run_file)
     rows: dict[int, dict[str, Any]] = {}
-    for record in read_wandb_file(run_file):
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             # wandb 0.31 fills the repeated `nested_key`; older writers used `key`.
             row = {
