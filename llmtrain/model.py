@@ -1,0 +1,368 @@
+"""A Llama decoder, numerically interchangeable with Hugging Face's LlamaForCausalLM.
+
+Read top to bottom: RMSNorm -> rotary embeddings -> attention -> MLP -> block -> model -> build.
+Parameter names are Hugging Face's without the leading `model.` (`embed_tokens`, `layers.0.self_attn.q_proj`,
+..., `norm`, `lm_head`), so export is a rename. Shapes: B batch, T sequence, D hidden, H query heads,
+K key/value heads, Hd head dim, V vocabulary, F MLP width.
+
+This file imports no optimizer, data or DeepSpeed code: the trainer wraps the model, not the other way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from llmtrain.config import ModelConfig
+
+IGNORE_INDEX = -100  # labels with this value contribute nothing to the loss (F.cross_entropy's default)
+LOSS_CHUNK_ROWS = 1024  # token rows per output-projection + cross-entropy chunk
+
+CheckpointMode = Literal["none", "full", "selective"]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight, exactly as Hugging Face."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+# ---------------------------------------------------------------- rotary position embeddings
+
+
+def rope_cos_sin(
+    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin tables for `position_ids` [B, T] -> two [B, T, Hd] tensors.
+
+    Computed from scratch each forward in fp32 (a few thousand multiplies): no buffer to go stale on the
+    meta device or to be rounded to bf16 when the trainer casts the module.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq  # [B, T, Hd/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, Hd]: Hugging Face's half-split layout
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dim (Hugging Face's convention, so weights are interchangeable)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, Hd], cos/sin [B, T, Hd] -> x rotated by its position."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return x * cos + rotate_half(x) * sin
+
+
+def document_positions_and_mask(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """doc_ids [B, T] -> RoPE positions [B, T] restarting at 0 per document, and a [B, 1, T, T] mask.
+
+    A document is a run of equal consecutive ids, so ids may repeat later in the row without the two
+    runs seeing each other. mask[b, 0, i, j] is True where query i may attend to key j: j <= i and both
+    in the same document (block-diagonal causal).
+    """
+    _, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # [B, T]
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_of_doc = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # [B, T]
+    positions = idx - start_of_doc
+    segment = starts.long().cumsum(dim=1)  # [B, T]: 1, 1, 2, 2, 2, 3, ...
+    same_doc = segment[:, :, None] == segment[:, None, :]  # [B, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return positions, (same_doc & causal).unsqueeze(1)
+
+
+# ---------------------------------------------------------------- the transformer block
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention through scaled_dot_product_attention (flash / fused kernels)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, Hd]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, Hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        grouped = self.num_kv_heads != self.num_heads
+        if mask is None:
+            # Plain causal training: no mask tensor at all, so the flash kernel applies. enable_gqa lets
+            # the kernel share each K/V head across its query group without copying K/V H/K times.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        else:
+            # Document masking: an explicit boolean mask. The fused kernels that take a mask do not take
+            # enable_gqa, so K/V are repeated here rather than falling back to the unfused math kernel.
+            if grouped:
+                repeats = self.num_heads // self.num_kv_heads
+                k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*Hd]
+        return self.o_proj(y)  # [B, T, D]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, F] -> [B, T, D]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def checkpointed_blocks(num_layers: int, mode: str, every_k: int = 2) -> list[int]:
+    """Indices of the blocks whose activations are recomputed in backward.
+
+    none: no block; full: every block; selective: blocks 0, k, 2k, ... (ceil(L / k) of them).
+    """
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(range(num_layers))
+    if mode == "selective":
+        if every_k < 1:
+            raise ValueError(f"selective activation checkpointing needs every_k >= 1, got {every_k}")
+        return list(range(0, num_layers, every_k))
+    raise ValueError(f"activation checkpointing mode must be none, full or selective, got {mode!r}")
+
+
+# ---------------------------------------------------------------- the model
+
+
+class Llama(nn.Module):
+    """Token ids -> logits, or -> mean cross-entropy when labels are given.
+
+    Tied embeddings (`cfg.tie_word_embeddings`): `lm_head.weight` IS `embed_tokens.weight` (one Parameter
+    in two modules, as in Hugging Face, so ZeRO-3 gathers it through either module's hooks).
+    `state_dict()` then holds it once, as `embed_tokens.weight`; `load_state_dict` accepts a dict with or
+    without `lm_head.weight` (a present one is ignored: the tie decides).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss_chunk_rows = LOSS_CHUNK_ROWS
+        self.init_seed: int | None = None  # the seed init_weights uses when none is passed
+        self._checkpointed: frozenset[int] = frozenset()
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+            self.register_state_dict_post_hook(_drop_tied_lm_head)
+            self.register_load_state_dict_pre_hook(_ignore_tied_lm_head)
+
+    def tie_weights(self) -> None:
+        """Point lm_head at the embedding Parameter (again: moving off the meta device unties them)."""
+        self.lm_head.weight = self.embed_tokens.weight
+
+    # ------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """input_ids [B, T] -> logits [B, T, V]; with labels [B, T] -> mean cross-entropy (fp32 scalar).
+
+        labels[b, t] is the target for position t (already shifted: the next token), IGNORE_INDEX to skip.
+        doc_ids [B, T]: packed documents; attention stays inside each one and positions restart at 0.
+        position_ids [B, T] or [T]: explicit RoPE positions for plain causal attention (default 0..T-1).
+        """
+        h = self.hidden_states(input_ids, doc_ids, position_ids)  # [B, T, D]
+        if labels is None:
+            return self.lm_head(h)  # [B, T, V]
+        return self.chunked_loss(h, labels)
+
+    def hidden_states(
+        self, input_ids: Tensor, doc_ids: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """input_ids [B, T] -> final-normed hidden states [B, T, D]."""
+        B, T = input_ids.shape
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        mask = None
+        if doc_ids is not None:
+            if position_ids is not None:
+                raise ValueError("pass doc_ids or position_ids, not both: doc_ids determine the positions")
+            position_ids, mask = document_positions_and_mask(doc_ids)
+        elif position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)
+        position_ids = position_ids.expand(B, T)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [B, T, Hd]
+        for i, block in enumerate(self.layers):
+            if i in self._checkpointed and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask)
+        return self.norm(x)
+
+    def chunked_loss(self, h: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy of lm_head(h) against labels, a chunk of rows at a time.
+
+        The full fp32 logits tensor [B*T, V] is never materialised: each chunk's logits are computed,
+        upcast to fp32 and reduced to a summed loss inside torch.utils.checkpoint, so autograd keeps only
+        the chunk's hidden states and recomputes its logits in backward. Peak logits memory is
+        loss_chunk_rows x V instead of B x T x V (a 128k vocabulary at 8 x 4096 tokens would be 16 GiB).
+        """
+        rows = h.reshape(-1, h.shape[-1])  # [N, D]
+        targets = labels.reshape(-1)  # [N]
+        total = rows.new_zeros((), dtype=torch.float32)
+        for start in range(0, rows.shape[0], self.loss_chunk_rows):
+            chunk = slice(start, start + self.loss_chunk_rows)
+            if torch.is_grad_enabled():
+                total = total + checkpoint(
+                    self._summed_loss, rows[chunk], targets[chunk], use_reentrant=False
+                )
+            else:
+                total = total + self._summed_loss(rows[chunk], targets[chunk])
+        # A batch whose labels are all ignored has loss 0 (and zero gradients) rather than NaN.
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return total / count
+
+    def _summed_loss(self, rows: Tensor, targets: Tensor) -> Tensor:  # [n, D], [n] -> fp32 scalar
+        logits = self.lm_head(rows).float()  # [n, V]
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    # ------------------------------------------------------------ initialisation
+
+    @torch.no_grad()
+    def init_weights(self, device: torch.device | str | None = None, seed: int | None = None) -> None:
+        """Allocate (if on the meta device) and initialise every parameter, deterministically from a seed.
+
+        Linear and embedding weights ~ N(0, initializer_range); the residual output projections
+        (o_proj, down_proj) have their std divided by sqrt(2 * num_hidden_layers) so the residual stream's
+        variance does not grow with depth (GPT-2); norms start at 1. `seed` defaults to the one given to
+        build_model; None means torch's global RNG. The same seed on the same device type gives the same
+        weights. A meta model is moved to `device` (default cpu) first.
+        """
+        if any(p.is_meta for p in self.parameters()):
+            self.to_empty(device=device or "cpu")
+        elif device is not None:
+            self.to(device)
+        if self.cfg.tie_word_embeddings:
+            self.tie_weights()
+        seed = self.init_seed if seed is None else seed
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        std = self.cfg.initializer_range
+        residual_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
+        for name, param in self.named_parameters():  # a tied weight is listed (and drawn) once
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std, generator=generator)
+            else:
+                nn.init.normal_(param, mean=0.0, std=std, generator=generator)
+
+    # ------------------------------------------------------------ memory and speed switches
+
+    def set_activation_checkpointing(self, mode: str, every_k: int = 2) -> None:
+        """Recompute block activations in backward: none, full (every block) or selective (every k-th).
+
+        Uses torch.utils.checkpoint with use_reentrant=False; the loss and gradients are unchanged.
+        """
+        self._checkpointed = frozenset(checkpointed_blocks(len(self.layers), mode, every_k))
+
+    def compile_blocks(self, **compile_kwargs: Any) -> None:
+        """torch.compile each transformer block in place (parameter names are unchanged).
+
+        Blocks share one structure, so the first compiled graph is reused by the rest.
+        """
+        for block in self.layers:
+            block.compile(**compile_kwargs)
+
+
+def _drop_tied_lm_head(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """state_dict post-hook: a tied lm_head is the embedding; store that tensor once."""
+    state_dict.pop(prefix + "lm_head.weight", None)
+
+
+def _ignore_tied_lm_head(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """load_state_dict pre-hook: take a tied lm_head from the embedding, whatever the dict says."""
+    embedding = state_dict.get(prefix + "embed_tokens.weight")
+    if embedding is not None:
+        state_dict[prefix + "lm_head.weight"] = embedding
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int | None = None) -> Llama:
+    """Build a Llama on `device`, initialised from `seed` (None: torch's global RNG).
+
+    The modules are always constructed on the meta device (no memory, no throwaway default init). On
+    "meta" the model stays there, remembering the seed: `model.init_weights(device)` materialises it
+    later, giving the same weights a direct build with that seed would.
+    """
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.init_seed = seed
+    if torch.device(device).type != "meta":
+        model.init_weights(device=device)
+    return model
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once); equals presets.count_parameters for the shape."""
+    return sum(p.numel() for p in model.parameters())
