@@ -182,9 +182,71 @@ def _not_yet(verb: str) -> Callable[..., None]:
     return command
 
 
-for _verb in ("train", "resume", "estimate-memory", "prepare-data", "eval", "generate", "export", "runs"):
+for _verb in ("train", "resume", "estimate-memory", "eval", "generate", "export", "runs"):
     app.command(_verb, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
         _not_yet(_verb)
+    )
+
+
+# ---------------------------------------------------------------- data verbs
+
+tokenizer_app = typer.Typer(help="Train tokenizers.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+_SOURCE_HELP = "Text source: file, directory, glob, save_to_disk directory or Hugging Face Hub dataset name."
+
+
+@tokenizer_app.command("train")
+def tokenizer_train_cmd(
+    source: Annotated[str, typer.Argument(help=_SOURCE_HELP)],
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="Tokens in the vocabulary.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write tokenizer.json.")],
+    text_field: Annotated[str, typer.Option("--text-field", help="Field holding the text.")] = "text",
+    hub_config: Annotated[str | None, typer.Option("--hub-config", help="Hub dataset config.")] = None,
+    streaming: Annotated[bool, typer.Option("--streaming", help="Stream a Hub dataset.")] = False,
+) -> None:
+    """Train a byte-level BPE tokenizer (special tokens <|endoftext|> and <|pad|>) on a source."""
+    from llmtrain.data.tokenizer import train_tokenizer_from_source
+
+    print(
+        train_tokenizer_from_source(
+            source, vocab_size, out, text_field=text_field, hub_config=hub_config, streaming=streaming
+        )
+    )
+
+
+@app.command("prepare-data")
+def prepare_data_cmd(
+    source: Annotated[str, typer.Argument(help=_SOURCE_HELP)],
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", help="tokenizer.json or a Hugging Face tokenizer directory.")
+    ],
+    out: Annotated[str, typer.Option("--out", help="Directory for the token shards and manifest.json.")],
+    text_field: Annotated[str, typer.Option("--text-field", help="Field holding the text.")] = "text",
+    val_fraction: Annotated[
+        float, typer.Option("--val-fraction", help="Fraction of documents held out.")
+    ] = 0.02,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the train/validation split.")] = 1234,
+    num_proc: Annotated[int, typer.Option("--num-proc", help="Tokenization processes.")] = 2,
+    dtype: Annotated[str, typer.Option("--dtype", help="Token dtype: auto, uint16 or uint32.")] = "auto",
+    hub_config: Annotated[str | None, typer.Option("--hub-config", help="Hub dataset config.")] = None,
+    streaming: Annotated[bool, typer.Option("--streaming", help="Stream a Hub dataset.")] = False,
+) -> None:
+    """Tokenize a source into memory-mapped token shards plus manifest.json (then `train --data DIR`)."""
+    from llmtrain.data.prepare import prepare_data_command
+
+    print(
+        prepare_data_command(
+            source,
+            tokenizer,
+            out,
+            text_field=text_field,
+            hub_config=hub_config,
+            streaming=streaming,
+            val_fraction=val_fraction,
+            split_seed=seed,
+            num_proc=num_proc,
+            dtype=dtype,
+        )
     )
 
 
