@@ -41,7 +41,7 @@ class ModelConfig:
 
     vocab_size: int = _f(8192, "vocabulary size (at least the tokenizer's)")
     hidden_size: int = _f(256, "model width")
-    intermediate_size: int = _f(688, "SwiGLU MLP width")
+    intermediate_size: int = _f(704, "SwiGLU MLP width")
     num_hidden_layers: int = _f(8, "number of transformer blocks")
     num_attention_heads: int = _f(8, "query heads")
     num_key_value_heads: int = _f(4, "key/value heads (grouped-query attention); equal to heads for MHA")

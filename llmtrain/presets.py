@@ -24,7 +24,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=8192,
         hidden_size=256,
-        intermediate_size=688,
+        intermediate_size=704,
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=4,
