@@ -12,6 +12,7 @@ import functools
 import inspect
 import json
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -92,7 +93,13 @@ def with_train_flags(func: Callable[..., Any]) -> Callable[..., Any]:
 
     `cfg_args` is a dict for config.resolve: config_file, sets, flags (key -> raw string).
     """
-    own = list(inspect.signature(func).parameters.values())[1:]
+    # Evaluate the verb's own (string, postponed) annotations: a preset __signature__ is taken as is, so
+    # typer would otherwise never see their Annotated[..., typer.Option(...)] names and help.
+    hints = typing.get_type_hints(func, include_extras=True)
+    own = [
+        p.replace(annotation=hints.get(p.name, p.annotation))
+        for p in inspect.signature(func).parameters.values()
+    ][1:]
     flag_params = [_flag_param(flag, key) for flag, key in config_mod.FLAG_KEYS.items()]
     names = {p.name: config_mod.FLAG_KEYS[f"--{p.name.replace('_', '-')}"] for p in flag_params}
 
@@ -182,7 +189,62 @@ def _not_yet(verb: str) -> Callable[..., None]:
     return command
 
 
-for _verb in ("train", "resume", "estimate-memory", "eval", "generate", "export", "runs"):
+def _size_option(flag: str, help_text: str) -> Any:
+    return typer.Option(flag, help=help_text, metavar="SIZE", show_default=False)
+
+
+def _shape_option(flag: str, help_text: str) -> Any:
+    return typer.Option(flag, help=f"Raw model shape: {help_text}.", show_default=False)
+
+
+@app.command("estimate-memory")
+@with_train_flags
+def estimate_memory_cmd(
+    cfg_args: dict[str, Any],
+    params: Annotated[
+        str | None,
+        typer.Option(
+            "--params", help="Parameter count, e.g. 7e9 (alone: model states only).", show_default=False
+        ),
+    ] = None,
+    hidden_size: Annotated[int | None, _shape_option("--hidden-size", "model width")] = None,
+    layers: Annotated[int | None, _shape_option("--layers", "transformer blocks")] = None,
+    heads: Annotated[int | None, _shape_option("--heads", "query heads")] = None,
+    kv_heads: Annotated[int | None, _shape_option("--kv-heads", "key/value heads (default --heads)")] = None,
+    intermediate_size: Annotated[
+        int | None, _shape_option("--intermediate-size", "SwiGLU width (default 8/3 x hidden)")
+    ] = None,
+    vocab_size: Annotated[int | None, _shape_option("--vocab-size", "vocabulary (default 32000)")] = None,
+    gpu_memory: Annotated[
+        str | None, _size_option("--gpu-memory", "Memory per GPU (80GB, 24GiB): verdict + what fits.")
+    ] = None,
+    cpu_memory: Annotated[str | None, _size_option("--cpu-memory", "CPU memory per node (512GB).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the numbers (bytes) as JSON.")] = False,
+) -> None:
+    """Per-GPU and per-node memory of a configuration, term by term, and which configurations fit."""
+    from llmtrain import memory
+
+    shape = {
+        "--hidden-size": hidden_size,
+        "--layers": layers,
+        "--heads": heads,
+        "--kv-heads": kv_heads,
+        "--intermediate-size": intermediate_size,
+        "--vocab-size": vocab_size,
+    }
+    gpu_bytes = memory.parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else None
+    cpu_bytes = memory.parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None
+    setup = memory.resolve_setup(
+        cfg_args["config_file"], cfg_args["sets"], cfg_args["flags"], params=params, shape=shape
+    )
+    doc = memory.report(memory.estimate(setup), gpu_bytes, cpu_bytes)
+    if json_out:
+        print(json.dumps(doc, indent=2))
+    else:
+        memory.render(doc)
+
+
+for _verb in ("train", "resume", "eval", "generate", "export", "runs"):
     app.command(_verb, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
         _not_yet(_verb)
     )

@@ -1,0 +1,782 @@
+"""The memory estimator behind `llmtrain estimate-memory`: per-GPU and per-node bytes, term by term.
+
+Every number is derived from the model shape and the DeepSpeed config dsconfig generates, following what
+DeepSpeed 0.19.8 and llmtrain.model actually allocate (checked against the real engine and against
+saved-tensor hooks in tests/test_memory_calibration.py):
+
+* Model states follow the optimizer wrapper DeepSpeed picks: stage 0 bf16/fp16 keeps an unpartitioned
+  fp32 master copy; stage 1 in bf16 (fp32 gradient accumulation) runs BF16_Optimizer, which partitions
+  master weights and moments but keeps a full fp32 gradient buffer; stages 1-2 otherwise partition
+  gradients once overlap_comm's hooks reduce them; stage 3 partitions everything. ZeRO-1/2/3 clone an fp32
+  master partition even in fp32 training (only stage 0 steps the model's own fp32 weights).
+* Activations are the bytes autograd saves for backward in llmtrain.model, per layer, per checkpointing
+  mode; logits are computed in chunks of LOSS_CHUNK_ROWS rows, so only one chunk's fp32 logits exist.
+
+Import-light on purpose: no torch, no DeepSpeed, no model; estimating a 70B model allocates nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmtrain import dsconfig
+from llmtrain.config import ConfigError, ModelConfig, TrainConfig
+from llmtrain.presets import count_parameters
+
+# llmtrain.model.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.
+LOSS_CHUNK_ROWS = 1024
+# Per GPU, whatever the model: the CUDA context with PyTorch's kernels loaded (~0.5 GiB) plus cuBLAS and
+# NCCL workspaces. An assumption, not derived; `make gpu-check` measures the rest against it.
+RUNTIME_OVERHEAD_BYTES = 1 << 30
+# DeepSpeed defaults dsconfig does not set.
+STAGE0_ALLREDUCE_BUCKET = 500_000_000  # engine allreduce_bucket_size (elements)
+NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
+SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size (elements)
+
+ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
+FP32 = 4
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'24GB' (1e9), '24GiB' (2^30), '1.5TB', '512MB', or plain bytes -> bytes; a ConfigError naming `flag`."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a size; write e.g. 80GB, 24GiB or 1.5TB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise ConfigError(f"{flag}: must be positive, got {text!r}")
+    return int(value)
+
+
+def human(n: int) -> str:
+    """Bytes in binary units, as nvidia-smi and torch report them."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _bytes_of(precision: str) -> int:
+    return FP32 if precision == "fp32" else 2
+
+
+# ---------------------------------------------------------------- the setup being estimated
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A resolved config plus the parameter count; `shape_known` is False for a bare `--params N`."""
+
+    cfg: TrainConfig
+    params: int
+    shape_known: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.world_size
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.zero.stage
+
+    @property
+    def offload(self) -> str:
+        return self.cfg.zero.offload
+
+    @property
+    def precision(self) -> str:
+        return self.cfg.train.precision
+
+    @property
+    def lp_bytes(self) -> int:
+        """Bytes per element of the model's parameters and activations."""
+        return _bytes_of(self.precision)
+
+    @property
+    def grad_accum_bytes(self) -> int:
+        """dsconfig asks for fp32 gradient accumulation under bf16 with ZeRO; otherwise the model dtype."""
+        if self.precision == "bf16" and self.stage > 0:
+            return FP32
+        return self.lp_bytes
+
+    @property
+    def zero(self) -> dict[str, Any]:
+        """The zero_optimization section dsconfig writes for this config."""
+        section: dict[str, Any] = dsconfig.build(self.cfg, self.world_size, accelerator="cuda")[
+            "zero_optimization"
+        ]
+        if not self.shape_known:  # buckets scale with hidden_size, which a bare --params does not give
+            floor = dsconfig.bucket_sizes(ModelConfig(hidden_size=1))
+            z = self.cfg.zero
+            user = {
+                "reduce_bucket_size": z.reduce_bucket_size,
+                "allgather_bucket_size": z.allgather_bucket_size,
+                "stage3_prefetch_bucket_size": z.prefetch_bucket_size,
+                "stage3_param_persistence_threshold": z.param_persistence_threshold,
+            }
+            for key in section:
+                if key in floor and user.get(key) is None:
+                    section[key] = 0 if key == "stage3_param_persistence_threshold" else floor[key]
+        return section
+
+    def with_choice(self, stage: int, offload: str, micro_batch: int, checkpointing: str) -> Setup:
+        cfg = copy.deepcopy(self.cfg)
+        cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]
+        if offload == "nvme" and not cfg.zero.nvme_path:
+            cfg.zero.nvme_path = "/local_nvme"
+        cfg.train.micro_batch = micro_batch
+        cfg.train.global_batch = None
+        cfg.train.activation_checkpointing = checkpointing  # type: ignore[assignment]
+        return Setup(cfg, self.params, self.shape_known)
+
+
+def setup_from_config(cfg: TrainConfig, params: int | None = None, shape_known: bool = True) -> Setup:
+    """A Setup for `cfg`; `params` overrides the count derived from the shape."""
+    count = params if params is not None else count_parameters(**vars(cfg.model))
+    if count <= 0:
+        raise ConfigError(f"--params: must be positive, got {count}")
+    return Setup(cfg, int(count), shape_known)
+
+
+def parameter_tensors(model: ModelConfig) -> list[int]:
+    """Element counts of every parameter tensor of llmtrain.model.Llama (a tied lm_head counted once)."""
+    d, kv, f = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
+    layer = [d, d * d, d * kv, d * kv, d * d, d, d * f, d * f, f * d]
+    tensors = [model.vocab_size * d] + layer * model.num_hidden_layers + [d]
+    if not model.tie_word_embeddings:
+        tensors.append(model.vocab_size * d)
+    return tensors
+
+
+# ---------------------------------------------------------------- model states (per rank)
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes one rank holds for parameters, gradients and optimizer states, by where they live."""
+
+    params_gpu: int = 0
+    grads_gpu: int = 0
+    optim_gpu: int = 0
+    params_cpu: int = 0
+    grads_cpu: int = 0
+    optim_cpu: int = 0
+    params_nvme: int = 0
+    optim_nvme: int = 0
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params_gpu
+            + self.grads_gpu
+            + self.optim_gpu
+            + self.params_cpu
+            + self.grads_cpu
+            + self.optim_cpu
+            + self.params_nvme
+            + self.optim_nvme
+        )
+
+    @property
+    def gpu(self) -> int:
+        return self.params_gpu + self.grads_gpu + self.optim_gpu
+
+
+def persistent_elements(setup: Setup) -> int:
+    """ZeRO-3 keeps parameters with at most stage3_param_persistence_threshold elements whole on every rank."""
+    if setup.stage != 3 or not setup.shape_known:
+        return 0
+    threshold = setup.zero["stage3_param_persistence_threshold"]
+    return sum(n for n in parameter_tensors(setup.cfg.model) if n <= threshold)
+
+
+def model_states(setup: Setup) -> ModelStates:
+    """Per-rank model-state bytes for this stage, offload and precision, as DeepSpeed 0.19.8 allocates them."""
+    p, n, b, a = setup.params, setup.world_size, setup.lp_bytes, setup.grad_accum_bytes
+    part = p / n
+    optim = FP32 + ADAM_MOMENTS  # fp32 master partition + moments (ZeRO clones a master even in fp32)
+    if setup.stage == 0:
+        if setup.precision == "fp32":  # torch AdamW steps the model's own fp32 weights: no master copy
+            return ModelStates(
+                params_gpu=4 * p,
+                grads_gpu=4 * p,
+                optim_gpu=ADAM_MOMENTS * p,
+                notes={"optim": "Adam moments 8 B/param, not partitioned; no master copy in fp32"},
+            )
+        return ModelStates(
+            params_gpu=b * p,
+            grads_gpu=b * p,
+            optim_gpu=optim * p,
+            notes={"optim": "fp32 master 4 + moments 8 B/param, not partitioned (FP16 optimizer wrapper)"},
+        )
+    if setup.stage in (1, 2):
+        return _stage12_states(setup, p, part, b, a, optim)
+    return _stage3_states(setup, p, part, b, a, optim)
+
+
+def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int) -> ModelStates:
+    if setup.offload == "cpu":
+        # Gradients reduce into an fp32 pinned CPU partition (the master's .grad); under bf16 DeepSpeed
+        # also keeps the fp32 accumulation partition on the GPU.
+        return ModelStates(
+            params_gpu=b * p,
+            grads_gpu=round(FP32 * part) if setup.precision == "bf16" else 0,
+            grads_cpu=round(FP32 * part),
+            optim_cpu=round(optim * part),
+            notes={
+                "grads": "fp32 partition on the CPU (master .grad)"
+                + (" and an fp32 accumulation partition on the GPU" if setup.precision == "bf16" else ""),
+                "optim": "fp32 master 4 + moments 8 B/param / world size, on the CPU",
+            },
+        )
+    if setup.stage == 1 and setup.precision == "bf16":
+        # BF16_Optimizer: bf16 grads plus a full (unpartitioned) fp32 gradient accumulation buffer.
+        return ModelStates(
+            params_gpu=b * p,
+            grads_gpu=(b + FP32) * p,
+            optim_gpu=round(optim * part),
+            notes={
+                "grads": "bf16 grads + full fp32 accumulation buffer (BF16_Optimizer does not partition them)",
+                "optim": "fp32 master 4 + moments 8 B/param / world size",
+            },
+        )
+    partitioned = setup.stage == 2 or setup.cfg.zero.overlap_comm
+    # Gradients in the model dtype are kept as views of each parameter's .grad, so a parameter that
+    # straddles the partition boundary keeps its whole gradient alive (bounded by the largest tensor).
+    straddle = 0 if a == FP32 and b != FP32 else a * _largest_param(setup)
+    return ModelStates(
+        params_gpu=b * p,
+        grads_gpu=round(a * part) + straddle if partitioned else a * p,
+        optim_gpu=round(optim * part),
+        notes={
+            "grads": "partition kept after each bucket's reduction"
+            if partitioned
+            else "full gradients until the step's reduction (stage 1 without overlap_comm)",
+            "optim": "fp32 master 4 + moments 8 B/param / world size",
+        },
+    )
+
+
+def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int) -> ModelStates:
+    persistent = b * persistent_elements(setup)
+    note = {"params": "partition / world size + small persistent params whole"}
+    if setup.offload == "none":
+        return ModelStates(
+            params_gpu=round(b * part) + persistent,
+            grads_gpu=round(a * part),
+            optim_gpu=round(optim * part),
+            notes=note | {"optim": "fp32 master 4 + moments 8 B/param / world size"},
+        )
+    if setup.offload == "cpu":
+        return ModelStates(
+            params_gpu=persistent,
+            params_cpu=round(b * part),
+            grads_cpu=round(a * part),
+            optim_cpu=round(optim * part),
+            notes=note | {"optim": "fp32 master 4 + moments 8 B/param / world size, on the CPU"},
+        )
+    return ModelStates(
+        params_gpu=persistent,
+        params_nvme=round(b * part),
+        grads_cpu=round(a * part),
+        optim_nvme=round(optim * part),
+        notes=note | {"optim": "fp32 master 4 + moments 8 B/param / world size, on NVMe"},
+    )
+
+
+# ---------------------------------------------------------------- activations (per GPU, one micro-batch)
+
+
+def checkpointed_layers(layers: int, mode: str, every_k: int) -> int:
+    """How many blocks llmtrain.model recomputes: none 0, full all, selective blocks 0, k, 2k, ..."""
+    if mode == "full":
+        return layers
+    if mode == "selective":
+        return math.ceil(layers / every_k)
+    return 0
+
+
+def layer_activation_bytes(model: ModelConfig, batch: int, seq: int, precision: str, doc_mask: bool) -> int:
+    """Bytes one un-checkpointed block saves for backward (the tensors autograd keeps, deduplicated).
+
+    RMSNorm (x2): the fp32 upcast input and the normalised output before the weight (4 + b bytes per
+    element) plus the fp32 rsqrt per token. Attention: the normed input to q/k/v, the RoPE-rotated q and k,
+    v, SDPA's output (which o_proj reads as a view) and its fp32 log-sum-exp per head; RoPE's cos/sin are
+    shared by all layers. GQA: k and v have kv_heads x head_dim columns (SDPA's enable_gqa does not copy
+    them); with document masking they are repeated to all heads. SwiGLU: the normed input, gate, silu(gate),
+    up and their product.
+    """
+    b, tokens, d = _bytes_of(precision), batch * seq, model.hidden_size
+    kv = d if doc_mask else model.num_key_value_heads * model.head_dim
+    norms = 2 * (tokens * d * (FP32 + b) + FP32 * tokens)
+    attention = 3 * b * tokens * d + 2 * b * tokens * kv + FP32 * batch * model.num_attention_heads * seq
+    mlp = b * tokens * d + 4 * b * tokens * model.intermediate_size
+    return norms + attention + mlp
+
+
+def activation_bytes(setup: Setup) -> int:
+    """Bytes saved for backward by one forward pass of one micro-batch, under the checkpointing mode."""
+    m, t = setup.cfg.model, setup.cfg.train
+    b, batch, seq = setup.lp_bytes, t.micro_batch, t.seq_len
+    tokens, doc_mask = batch * seq, setup.cfg.data.document_masking
+    recomputed = checkpointed_layers(m.num_hidden_layers, t.activation_checkpointing, t.checkpoint_every_k)
+    per_layer = layer_activation_bytes(m, batch, seq, setup.precision, doc_mask)
+    # A recomputed block keeps only its input (the residual stream).
+    blocks = recomputed * b * tokens * m.hidden_size + (m.num_hidden_layers - recomputed) * per_layer
+    final_norm = tokens * m.hidden_size * (FP32 + b) + FP32 * tokens
+    hidden_out = b * tokens * m.hidden_size  # the loss chunks' input, kept for their recomputation
+    rope = 2 * b * tokens * m.head_dim  # cos and sin, [B, T, head_dim] each
+    ids = 8 * tokens + 8  # the embedding's int64 indices and the token count
+    mask = batch * seq * seq if doc_mask else 0  # boolean block-diagonal mask, shared by all layers
+    return blocks + final_norm + hidden_out + rope + ids + mask
+
+
+def backward_working_bytes(setup: Setup) -> int:
+    """Transient bytes while one block runs backward: its recomputed activations when checkpointed, plus
+    the activation gradients in flight (about two hidden-sized and two MLP-sized tensors)."""
+    m, t = setup.cfg.model, setup.cfg.train
+    b, tokens = setup.lp_bytes, t.micro_batch * t.seq_len
+    recompute = 0
+    if checkpointed_layers(m.num_hidden_layers, t.activation_checkpointing, t.checkpoint_every_k):
+        recompute = layer_activation_bytes(
+            m, t.micro_batch, t.seq_len, setup.precision, setup.cfg.data.document_masking
+        )
+    return recompute + 2 * b * tokens * (m.hidden_size + m.intermediate_size)
+
+
+def loss_chunk_bytes(setup: Setup) -> int:
+    """One loss chunk at a time: its fp32 logits, log-softmax and their gradient (12 B x rows x vocab),
+    plus the gradient of the final hidden states that the chunks accumulate into."""
+    m, t = setup.cfg.model, setup.cfg.train
+    tokens = t.micro_batch * t.seq_len
+    rows = min(LOSS_CHUNK_ROWS, tokens)
+    return 3 * FP32 * rows * m.vocab_size + setup.lp_bytes * tokens * m.hidden_size
+
+
+# ---------------------------------------------------------------- the breakdown
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the breakdown. phase: 'always' is held throughout; 'activations' during forward and
+    backward; 'transient' the largest of these rides on top of the activations; 'step' during the
+    optimizer step (activations are gone by then)."""
+
+    name: str
+    bytes: int
+    phase: str
+    note: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    setup: Setup
+    gpu: list[Term]
+    cpu: list[Term]  # per node
+    nvme: list[Term]  # per node
+    states: ModelStates
+
+    @property
+    def gpu_peak(self) -> int:
+        """always + max(activations + largest transient, step buffers)."""
+
+        def total(phase: str) -> int:
+            return sum(t.bytes for t in self.gpu if t.phase == phase)
+
+        transient = max((t.bytes for t in self.gpu if t.phase == "transient"), default=0)
+        return total("always") + max(total("activations") + transient, total("step"))
+
+    @property
+    def cpu_per_node(self) -> int:
+        return sum(t.bytes for t in self.cpu)
+
+    @property
+    def nvme_per_node(self) -> int:
+        return sum(t.bytes for t in self.nvme)
+
+    def to_dict(self) -> dict[str, Any]:
+        s, c = self.setup, self.setup.cfg
+
+        def rows(terms: list[Term]) -> list[dict[str, Any]]:
+            return [{"term": t.name, "bytes": t.bytes, "phase": t.phase, "note": t.note} for t in terms]
+
+        return {
+            "setup": {
+                "params": s.params,
+                "preset": c.preset if s.shape_known else None,
+                "zero_stage": s.stage,
+                "offload": s.offload,
+                "precision": s.precision,
+                "gpus_per_node": c.launch.gpus,
+                "nodes": c.launch.nodes,
+                "world_size": s.world_size,
+                "micro_batch": c.train.micro_batch,
+                "seq_len": c.train.seq_len,
+                "activation_checkpointing": c.train.activation_checkpointing,
+                "checkpoint_every_k": c.train.checkpoint_every_k,
+            },
+            "per_gpu": rows(self.gpu),
+            "per_gpu_peak_bytes": self.gpu_peak,
+            "model_states_per_rank_bytes": self.states.total,
+            "per_node_cpu": rows(self.cpu),
+            "per_node_cpu_bytes": self.cpu_per_node,
+            "per_node_nvme": rows(self.nvme),
+            "per_node_nvme_bytes": self.nvme_per_node,
+        }
+
+
+def estimate(setup: Setup) -> Estimate:
+    states = model_states(setup)
+    gpu = _state_terms(states) + _activation_terms(setup) + _buffer_terms(setup)
+    gpu.append(
+        Term(
+            "runtime overhead",
+            RUNTIME_OVERHEAD_BYTES,
+            "always",
+            "CUDA context + cuBLAS/NCCL workspaces (assumed)",
+        )
+    )
+    cpu, nvme = _host_terms(setup, states)
+    return Estimate(setup, gpu, cpu, nvme, states)
+
+
+def _state_terms(s: ModelStates) -> list[Term]:
+    return [
+        Term("parameters", s.params_gpu, "always", s.notes.get("params", "model dtype")),
+        Term("gradients", s.grads_gpu, "always", s.notes.get("grads", "model dtype")),
+        Term("optimizer states", s.optim_gpu, "always", s.notes.get("optim", "")),
+    ]
+
+
+def _activation_terms(setup: Setup) -> list[Term]:
+    if not setup.shape_known:
+        return [Term("activations", 0, "activations", "unknown: give --hidden-size --layers --heads ...")]
+    t = setup.cfg.train
+    mode = t.activation_checkpointing
+    mode_note = f"selective, every {t.checkpoint_every_k}" if mode == "selective" else mode
+    return [
+        Term(
+            "activations",
+            activation_bytes(setup),
+            "activations",
+            f"saved for backward, micro-batch {t.micro_batch} x {t.seq_len} tokens, checkpointing {mode_note}",
+        ),
+        Term(
+            "backward working set", backward_working_bytes(setup), "transient", "recompute + activation grads"
+        ),
+        Term(
+            "logits and loss",
+            loss_chunk_bytes(setup),
+            "transient",
+            f"cross-entropy in chunks of {LOSS_CHUNK_ROWS} rows: fp32 logits never whole",
+        ),
+    ]
+
+
+def _largest_param(setup: Setup) -> int:
+    return max(parameter_tensors(setup.cfg.model)) if setup.shape_known else 0
+
+
+def _buffer_terms(setup: Setup) -> list[Term]:
+    z, b, p = setup.zero, setup.lp_bytes, setup.params
+    if setup.stage == 0:
+        bucket = min(p, STAGE0_ALLREDUCE_BUCKET)
+        return [Term("allreduce bucket", b * bucket, "step", "engine's flattened allreduce (5e8 elements)")]
+    terms: list[Term] = []
+    if setup.stage in (1, 2):
+        copies = 2 if z.get("overlap_comm") else 1
+        terms.append(
+            Term(
+                "reduce buckets",
+                copies * b * min(p, z["reduce_bucket_size"]),
+                "always",
+                f"{copies} x reduce_bucket_size {z['reduce_bucket_size']:,} elements",
+            )
+        )
+        terms.append(
+            Term(
+                "allgather bucket",
+                b * min(p, z["allgather_bucket_size"]),
+                "step",
+                f"allgather_bucket_size {z['allgather_bucket_size']:,} elements",
+            )
+        )
+        if setup.offload == "cpu":
+            terms.append(
+                Term("offload grad staging", b * _largest_param(setup), "always", "largest parameter")
+            )
+        elif setup.grad_accum_bytes != FP32:  # fp16: the step builds an fp32 copy of the grad partition
+            terms.append(Term("fp32 grad partition", round(FP32 * p / setup.world_size), "step", "at step"))
+        return terms
+    live = z["stage3_max_live_parameters"] + z["stage3_prefetch_bucket_size"]
+    return [
+        Term(
+            "reduce bucket",
+            b * min(p, z["reduce_bucket_size"]),
+            "always",
+            f"reduce_bucket_size {z['reduce_bucket_size']:,} elements",
+        ),
+        Term(
+            "gathered parameters",
+            b * min(p - persistent_elements(setup), live),
+            "activations",
+            f"up to stage3_max_live_parameters {z['stage3_max_live_parameters']:,} "
+            f"+ prefetch {z['stage3_prefetch_bucket_size']:,} elements",
+        ),
+    ]
+
+
+def _host_terms(setup: Setup, s: ModelStates) -> tuple[list[Term], list[Term]]:
+    g, b = setup.cfg.launch.gpus, setup.lp_bytes
+    cpu = [
+        Term("offloaded parameters", g * s.params_cpu, "always", "pinned, per node"),
+        Term("offloaded gradients", g * s.grads_cpu, "always", "fp32 partitions, pinned"),
+        Term("offloaded optimizer states", g * s.optim_cpu, "always", "fp32 master + moments"),
+    ]
+    if setup.stage in (1, 2) and setup.offload == "cpu":
+        staging = round(b * setup.params / setup.world_size) + b * _largest_param(setup)
+        cpu.append(Term("pinned staging buffers", g * staging, "always", "bit16 partition + largest grad"))
+    nvme: list[Term] = []
+    if setup.offload == "nvme":
+        part = setup.params / setup.world_size
+        swap = 5 * NVME_PARAM_BUFFER_SIZE * b + 5 * FP32 * min(SUB_GROUP_SIZE, round(part))
+        cpu.append(
+            Term("pinned swap buffers", g * swap, "always", "5 param + 5 optimizer aio buffers per GPU")
+        )
+        nvme = [
+            Term("parameters on NVMe", g * s.params_nvme, "always", "bit16 partitions"),
+            Term("optimizer states on NVMe", g * s.optim_nvme, "always", "fp32 master + moments"),
+        ]
+    return [t for t in cpu if t.bytes], nvme
+
+
+# ---------------------------------------------------------------- what fits
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stage: int
+    offload: str
+    micro_batch: int
+    checkpointing: str
+    gpu_bytes: int
+    cpu_bytes: int  # per node
+
+
+_OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
+_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+
+
+def speed_key(c: Candidate) -> tuple[int, int, int, int]:
+    """Fastest first: less offload (PCIe/NVMe traffic every step dominates), then less recomputation
+    (full costs about one extra forward), then a lower stage (fewer collectives), then a larger
+    micro-batch (better GPU utilisation)."""
+    return (_OFFLOAD_RANK[c.offload], _RECOMPUTE_RANK[c.checkpointing], c.stage, -c.micro_batch)
+
+
+def fitting(setup: Setup, gpu_memory: int, cpu_memory: int | None = None) -> list[Candidate]:
+    """Every (stage, offload, checkpointing) that fits, each with the largest micro-batch up to the one
+    asked for (powers of two), fastest first (see speed_key)."""
+    batches = sorted(
+        {2**i for i in range(setup.cfg.train.micro_batch.bit_length())} | {setup.cfg.train.micro_batch}
+    )
+    modes = (
+        ("none", "selective", "full") if setup.shape_known else (setup.cfg.train.activation_checkpointing,)
+    )
+    found: list[Candidate] = []
+    for stage in range(4):
+        offloads = ("none",) if stage == 0 else ("none", "cpu", "nvme") if stage == 3 else ("none", "cpu")
+        for offload in offloads:
+            for mode in modes:
+                best = _largest_fitting(setup, stage, offload, mode, batches, gpu_memory, cpu_memory)
+                if best is not None:
+                    found.append(best)
+    return sorted(found, key=speed_key)
+
+
+def _largest_fitting(
+    setup: Setup,
+    stage: int,
+    offload: str,
+    mode: str,
+    batches: list[int],
+    gpu_memory: int,
+    cpu_memory: int | None,
+) -> Candidate | None:
+    for micro in reversed(batches):
+        est = estimate(setup.with_choice(stage, offload, micro, mode))
+        if est.gpu_peak <= gpu_memory and (cpu_memory is None or est.cpu_per_node <= cpu_memory):
+            return Candidate(stage, offload, micro, mode, est.gpu_peak, est.cpu_per_node)
+    return None
+
+
+# ---------------------------------------------------------------- inputs from the command line
+
+SHAPE_FLAGS = {
+    "--hidden-size": "hidden_size",
+    "--layers": "num_hidden_layers",
+    "--heads": "num_attention_heads",
+    "--kv-heads": "num_key_value_heads",
+    "--intermediate-size": "intermediate_size",
+    "--vocab-size": "vocab_size",
+}
+_RAW_MAX_POSITIONS = 1 << 24  # raw shapes: positions cost no memory, so never limit --seq-len
+
+
+def parse_count(text: str, flag: str) -> int:
+    """'7e9', '7_000_000_000' or '7000000000' -> a positive int; a ConfigError naming `flag` otherwise."""
+    try:
+        value = float(str(text).replace("_", ""))
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a number such as 7e9, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0 or not value.is_integer():
+        raise ConfigError(f"{flag}: must be a positive whole number, got {text!r}")
+    return int(value)
+
+
+def _raw_shape(shape: dict[str, int | None]) -> dict[str, Any]:
+    """--hidden-size ... flags -> model.* config keys, checked with errors that name the flags."""
+    given = {flag: value for flag, value in shape.items() if value is not None}
+    for flag, value in given.items():
+        if value <= 0:
+            raise ConfigError(f"{flag}: must be positive, got {value}")
+    missing = [f for f in ("--hidden-size", "--layers", "--heads") if f not in given]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: needed with the other shape flags (or use --preset)")
+    hidden, heads = given["--hidden-size"], given["--heads"]
+    kv = given.get("--kv-heads", heads)
+    if hidden % heads:
+        raise ConfigError(f"--heads: {heads} heads do not divide --hidden-size {hidden}")
+    if heads % kv:
+        raise ConfigError(f"--kv-heads: {kv} KV heads do not divide --heads {heads}")
+    # Llama's SwiGLU width when not given: 8/3 x hidden, rounded up to a multiple of 256.
+    default_mlp = 256 * math.ceil(8 * hidden / 3 / 256)
+    values = {
+        "hidden_size": hidden,
+        "num_hidden_layers": given["--layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": given.get("--intermediate-size", default_mlp),
+        "vocab_size": given.get("--vocab-size", 32000),
+        "tie_word_embeddings": False,
+        "max_position_embeddings": _RAW_MAX_POSITIONS,
+    }
+    return {f"model.{key}": value for key, value in values.items()}
+
+
+def resolve_setup(
+    config_file: Any,
+    sets: list[str],
+    flags: dict[str, Any],
+    params: str | None = None,
+    shape: dict[str, int | None] | None = None,
+) -> Setup:
+    """Preset/config/--set/flags as `llmtrain train` reads them, or raw numbers (--params, shape flags)."""
+    from llmtrain.config import resolve
+
+    shape = shape or {}
+    raw_shape = any(v is not None for v in shape.values())
+    count = parse_count(params, "--params") if params is not None else None
+    flags = dict(flags)
+    if raw_shape:
+        flags.update(_raw_shape(shape))
+    elif count is not None:
+        flags["model.max_position_embeddings"] = _RAW_MAX_POSITIONS
+    cfg = resolve(config_file, sets, flags)
+    shape_known = raw_shape or count is None
+    return setup_from_config(cfg, count, shape_known)
+
+
+# ---------------------------------------------------------------- verdict and output
+
+
+def report(est: Estimate, gpu_memory: int | None, cpu_memory: int | None) -> dict[str, Any]:
+    """The --json document: the breakdown, and with --gpu-memory a verdict and the fitting configurations."""
+    out = est.to_dict()
+    if gpu_memory is None:
+        return out
+    gpu_ok = est.gpu_peak <= gpu_memory
+    cpu_ok = cpu_memory is None or est.cpu_per_node <= cpu_memory
+    out["verdict"] = {
+        "fits": gpu_ok and cpu_ok,
+        "gpu_memory_bytes": gpu_memory,
+        "gpu_headroom_bytes": gpu_memory - est.gpu_peak,
+        "cpu_memory_bytes": cpu_memory,
+        "cpu_headroom_bytes": None if cpu_memory is None else cpu_memory - est.cpu_per_node,
+    }
+    out["fitting_configurations"] = [vars(c) for c in fitting(est.setup, gpu_memory, cpu_memory)]
+    return out
+
+
+def render(doc: dict[str, Any]) -> None:
+    """Print a report() document as rich tables (the numbers are the JSON's, formatted)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    s = doc["setup"]
+    title = (
+        f"{s['preset'] or format(s['params'], ',') + ' params'}: ZeRO {s['zero_stage']}, offload {s['offload']}, "
+        f"{s['precision']}, {s['gpus_per_node']} GPU(s) x {s['nodes']} node(s)"
+    )
+    for key, heading, total_key in (
+        ("per_gpu", "Per GPU", "per_gpu_peak_bytes"),
+        ("per_node_cpu", "Per node: CPU memory", "per_node_cpu_bytes"),
+        ("per_node_nvme", "Per node: NVMe", "per_node_nvme_bytes"),
+    ):
+        if not doc[key]:
+            continue
+        table = Table(title=f"{heading} — {title}" if key == "per_gpu" else heading)
+        for column in ("term", "bytes", "phase", "notes"):
+            table.add_column(column, justify="right" if column == "bytes" else "left")
+        for row in doc[key]:
+            table.add_row(row["term"], human(row["bytes"]), row["phase"], row["note"])
+        label = "peak (always + max(activations + largest transient, step))" if key == "per_gpu" else ""
+        table.add_row("total", human(doc[total_key]), "", label, style="bold")
+        console.print(table)
+    verdict = doc.get("verdict")
+    if verdict is None:
+        return
+    word = "fits" if verdict["fits"] else "does NOT fit"
+    line = f"Verdict: {word} in {human(verdict['gpu_memory_bytes'])} per GPU (headroom {human(verdict['gpu_headroom_bytes'])})"
+    if verdict["cpu_memory_bytes"] is not None:
+        line += f", CPU headroom per node {human(verdict['cpu_headroom_bytes'])}"
+    console.print(line, style="green" if verdict["fits"] else "red")
+    table = Table(title="Configurations that fit, fastest first")
+    for column in ("stage", "offload", "micro-batch", "checkpointing", "per GPU", "CPU per node"):
+        table.add_column(column)
+    for c in doc["fitting_configurations"]:
+        table.add_row(
+            str(c["stage"]),
+            c["offload"],
+            str(c["micro_batch"]),
+            c["checkpointing"],
+            human(c["gpu_bytes"]),
+            human(c["cpu_bytes"]),
+        )
+    if not doc["fitting_configurations"]:
+        table.add_row("none", "", "", "", "", "")
+    console.print(table)

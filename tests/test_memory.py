@@ -1,0 +1,224 @@
+"""estimate-memory: published figures, formulas against the shape, the CLI's table, JSON and errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmtrain import memory
+from llmtrain.cli import main
+from llmtrain.config import ConfigError, resolve
+from llmtrain.presets import PRESETS, count_parameters
+
+
+def _setup(params: int | None = None, **flags: object) -> memory.Setup:
+    return memory.setup_from_config(resolve(flags=flags), params, shape_known=params is None)
+
+
+# ---------------------------------------------------------------- published figures
+
+
+@pytest.mark.parametrize(("stage", "paper_gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_example_7_5b_on_64_gpus(stage: int, paper_gb: float) -> None:
+    # ZeRO paper, Figure 1: 7.5B parameters, Adam, fp16 mixed precision, N_d = 64, no overlapped
+    # reduction (the paper's stage 1 keeps full fp16 gradients until the step).
+    setup = _setup(
+        7_500_000_000,
+        **{
+            "zero.stage": stage,
+            "train.precision": "fp16",
+            "launch.gpus": 8,
+            "launch.nodes": 8,
+            "zero.overlap_comm": False,
+        },
+    )
+    estimated_gb = memory.model_states(setup).total / 1e9
+    assert abs(estimated_gb - paper_gb) / paper_gb <= 0.02, estimated_gb
+
+
+def test_mixed_precision_adam_is_16_bytes_per_parameter_unpartitioned() -> None:
+    states = memory.model_states(_setup(1_000_000, **{"zero.stage": 0, "train.precision": "fp16"}))
+    assert (states.params_gpu, states.grads_gpu, states.optim_gpu) == (2_000_000, 2_000_000, 12_000_000)
+
+
+def test_fp32_stage0_has_no_master_copy() -> None:
+    states = memory.model_states(_setup(1_000_000, **{"zero.stage": 0, "train.precision": "fp32"}))
+    assert states.total == 16_000_000 and states.optim_gpu == 8_000_000
+
+
+def test_stage3_partitions_everything_and_offload_moves_it_to_the_cpu() -> None:
+    flags = {"preset": "7b", "zero.stage": 3, "launch.gpus": 8}
+    on_gpu = memory.model_states(_setup(**flags))
+    offloaded = memory.model_states(_setup(**flags, **{"zero.offload": "cpu"}))
+    p = count_parameters(**PRESETS["7b"])
+    persistent = 2 * 65 * 4096  # 65 RMSNorm weights of 4096 < threshold 10 * hidden, kept whole
+    assert on_gpu.params_gpu == round(2 * p / 8) + persistent
+    assert on_gpu.total == offloaded.total
+    assert offloaded.gpu == persistent
+    assert offloaded.optim_cpu == round(12 * p / 8)
+
+
+def test_parameter_tensors_add_up_to_each_presets_count() -> None:
+    for name, shape in PRESETS.items():
+        cfg = resolve(flags={"preset": name})
+        assert sum(memory.parameter_tensors(cfg.model)) == count_parameters(**shape), name
+
+
+def test_loss_chunk_rows_match_the_model() -> None:
+    from llmtrain.model import LOSS_CHUNK_ROWS
+
+    assert memory.LOSS_CHUNK_ROWS == LOSS_CHUNK_ROWS
+
+
+def test_buffers_follow_the_generated_deepspeed_config() -> None:
+    from llmtrain import dsconfig
+
+    cfg = resolve(flags={"preset": "7b", "zero.stage": 3, "launch.gpus": 8})
+    zero = dsconfig.build(cfg, 8, accelerator="cuda")["zero_optimization"]
+    terms = {t.name: t for t in memory.estimate(memory.setup_from_config(cfg)).gpu}
+    assert terms["reduce bucket"].bytes == 2 * zero["reduce_bucket_size"]
+    assert str(f"{zero['stage3_max_live_parameters']:,}") in terms["gathered parameters"].note
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("24GB", 24 * 10**9),
+        ("24GiB", 24 * 2**30),
+        ("1.5TB", 1_500_000_000_000),
+        ("512mib", 512 * 2**20),
+        ("1000", 1000),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert memory.parse_size(text, "--gpu-memory") == expected
+
+
+@pytest.mark.parametrize("text", ["0GB", "-5GB", "lots", "24XB", ""])
+def test_parse_size_rejects_bad_sizes_naming_the_flag(text: str) -> None:
+    with pytest.raises(ConfigError, match="--cpu-memory"):
+        memory.parse_size(text, "--cpu-memory")
+
+
+# ---------------------------------------------------------------- what fits
+
+
+def test_fitting_configurations_fit_and_come_fastest_first() -> None:
+    setup = _setup(**{"preset": "7b", "zero.stage": 3, "launch.gpus": 8, "train.micro_batch": 8})
+    found = memory.fitting(setup, 24 * 10**9)
+    assert found, "a 7B model fits 8 x 24 GB GPUs in some configuration"
+    assert found == sorted(found, key=memory.speed_key)
+    assert all(c.gpu_bytes <= 24 * 10**9 for c in found)
+    for c in found:  # each listed memory is the estimate of that exact configuration
+        est = memory.estimate(setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing))
+        assert est.gpu_peak == c.gpu_bytes
+    assert not any(c.stage == 0 for c in found), "unpartitioned 7B states (112 GB) cannot fit 24 GB"
+    assert memory.speed_key(found[0]) <= memory.speed_key(found[-1])
+
+
+def test_cpu_memory_limit_removes_offload_configurations() -> None:
+    setup = _setup(**{"preset": "7b", "zero.stage": 3, "launch.gpus": 8})
+    unlimited = memory.fitting(setup, 24 * 10**9)
+    limited = memory.fitting(setup, 24 * 10**9, cpu_memory=10 * 10**9)
+    assert any(c.offload == "cpu" for c in unlimited)
+    assert not any(c.offload == "cpu" for c in limited)
+    assert all(c.cpu_bytes <= 10 * 10**9 for c in limited)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["estimate-memory", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_table_and_json_carry_the_same_numbers(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # no wrapped cells
+    args = ["--preset", "7b", "--zero", "3", "--offload", "cpu", "--gpus", "8", "--gpu-memory", "24GB"]
+    doc = _cli_json(capsys, *args)
+    assert main(["estimate-memory", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = doc["per_gpu"] + doc["per_node_cpu"]
+    assert rows and doc["verdict"]["fits"] is True
+    for row in rows:
+        matching = [line for line in lines if f" {row['term']} " in line]
+        assert matching and memory.human(row["bytes"]) in matching[0], row
+    assert sum(r["bytes"] for r in doc["per_node_cpu"]) == doc["per_node_cpu_bytes"]
+    assert any(memory.human(doc["per_gpu_peak_bytes"]) in line for line in lines if "total" in line)
+    assert any("Verdict: fits" in line for line in lines)
+
+
+def test_verdict_says_does_not_fit_with_headroom_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _cli_json(capsys, "--preset", "70b", "--zero", "0", "--gpu-memory", "80GB", "--cpu-memory", "16GB")
+    assert doc["verdict"]["fits"] is False and doc["verdict"]["gpu_headroom_bytes"] < 0
+    assert doc["fitting_configurations"] == []
+
+
+def test_raw_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    states_only = _cli_json(capsys, "--params", "7e9", "--zero", "2", "--gpus", "8")
+    assert states_only["model_states_per_rank_bytes"] == 2 * 7 * 10**9 + round(16 * 7e9 / 8)
+    assert {r["term"]: r["bytes"] for r in states_only["per_gpu"]}["activations"] == 0
+    shaped = _cli_json(
+        capsys,
+        *[
+            "--hidden-size",
+            "4096",
+            "--layers",
+            "32",
+            "--heads",
+            "32",
+            "--intermediate-size",
+            "11008",
+            "--vocab-size",
+            "32000",
+        ],
+    )
+    preset = _cli_json(capsys, "--preset", "7b")
+    assert shaped["per_gpu"] == preset["per_gpu"]  # the same shape as the 7b preset
+
+
+def test_estimate_builds_no_model_and_imports_no_torch() -> None:
+    code = (
+        "import sys; from llmtrain.cli import main; "
+        "rc = main(['estimate-memory', '--preset', '7b', '--zero', '3', '--offload', 'cpu', '--gpus', '8', "
+        "'--gpu-memory', '24GB']); "
+        "print('RESULT', rc, 'torch' in sys.modules, 'deepspeed' in sys.modules, 'llmtrain.model' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "RESULT 0 False False False" in out
+    assert "Verdict: fits" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--micro-batch", "0"], "--micro-batch"),
+        (["--seq-len", "-4"], "--seq-len"),
+        (["--gpu-memory", "0GB"], "--gpu-memory"),
+        (["--gpu-memory", "-3GB"], "--gpu-memory"),
+        (["--cpu-memory", "many"], "--cpu-memory"),
+        (["--params", "0"], "--params"),
+        (["--params", "-7e9"], "--params"),
+        (["--hidden-size", "0", "--layers", "2", "--heads", "4"], "--hidden-size"),
+        (["--hidden-size", "64", "--layers", "-1", "--heads", "4"], "--layers"),
+        (["--hidden-size", "64", "--layers", "2", "--heads", "5"], "--heads"),
+        (["--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "3"], "--kv-heads"),
+        (["--preset", "tiny", "--set", "model.num_attention_heads=5"], "num_attention_heads"),
+        (["--preset", "tiny", "--set", "model.num_key_value_heads=3"], "num_key_value_heads"),
+        (["--preset", "nope"], "--preset"),
+        (["--gpus", "0"], "--gpus"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], names: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate-memory", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and names in err[0], err

@@ -1,0 +1,210 @@
+"""The estimator against what really runs: DeepSpeed engines on CPU and autograd's saved tensors.
+
+Model states: world size 2, the debug model, one real engine per (stage, offload, precision); after a
+first step (so Adam's moments exist) and the second backward (gradients held), every tensor the engine
+and its optimizer reference is collected, deduplicated by storage, and summed, leaving out DeepSpeed's
+communication and staging buffers (estimated separately). Activations: the bytes saved for backward
+by one forward pass, through saved_tensors_hooks, plus what checkpointing keeps alive for recomputation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from dist import run_distributed
+
+from llmtrain import memory
+from llmtrain.config import resolve
+
+# Buffers the estimator lists as communication/staging terms, not model states.
+BUFFER_ATTRIBUTES = (
+    "ipg_bucket",
+    "ipg_buffer",
+    "temp_grad_buffer",
+    "param_buffer_of_bit16_for_cpu_offload",
+    "_global_grad_norm",
+    "norm_for_param_grads",
+    "inf_or_nan_tracker",
+)
+ENGINE_CASES = [
+    (0, "none", "bf16"),
+    (1, "none", "bf16"),
+    (2, "none", "bf16"),
+    (3, "none", "bf16"),
+    (1, "cpu", "bf16"),
+    (2, "cpu", "bf16"),
+    (3, "cpu", "bf16"),
+    (0, "none", "fp32"),
+    (1, "none", "fp32"),
+    (3, "none", "fp32"),
+]
+
+
+def _config(stage: int, offload: str, precision: str, world: int = 2) -> Any:
+    return resolve(
+        flags={
+            "preset": "debug",
+            "zero.stage": stage,
+            "zero.offload": offload,
+            "train.precision": precision,
+            "train.micro_batch": 2,
+            "train.seq_len": 32,
+            "launch.gpus": world,
+        }
+    )
+
+
+def _tensors(
+    obj: Any, path: str, seen: set[int], out: list[tuple[str, torch.Tensor]], depth: int = 0
+) -> None:
+    """Every tensor reachable from a DeepSpeed optimizer through attributes, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return
+    if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        items: Any = enumerate(obj)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
+        items = vars(obj).items()
+    else:
+        return
+    for key, value in items:
+        _tensors(value, f"{path}.{key}" if isinstance(key, str) else path, seen, out, depth + 1)
+
+
+def held_model_state_bytes(engine: Any) -> int:
+    """Bytes of parameters, gradients and optimizer states the engine holds, each storage once."""
+    found: list[tuple[str, torch.Tensor]] = []
+    _tensors(engine.optimizer, "optimizer", set(), found)
+    for group in engine.optimizer.param_groups:  # fp32 master partitions and their (offloaded) grads
+        for master in group["params"]:
+            found.append(("master", master))
+            if master.grad is not None:
+                found.append(("master.grad", master.grad))
+    for name, param in engine.module.named_parameters():
+        found.append((name, param.data))
+        if hasattr(param, "ds_tensor"):
+            found.append((name, param.ds_tensor))
+        if param.grad is not None:
+            found.append((name + ".grad", param.grad))
+    counted: set[tuple[str, int]] = set()
+    total = 0
+    for path, tensor in found:
+        storage = tensor.untyped_storage()
+        key = (tensor.device.type, storage.data_ptr())
+        if storage.nbytes() == 0 or key in counted or any(b in path for b in BUFFER_ATTRIBUTES):
+            continue
+        counted.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _measure_engines(rank: int, world: int, cases: list[tuple[int, str, str]]) -> dict[str, int]:
+    import deepspeed
+
+    from llmtrain import dsconfig
+    from llmtrain.model import build_model
+
+    measured = {}
+    for stage, offload, precision in cases:
+        cfg = _config(stage, offload, precision, world)
+        model = build_model(cfg.model, seed=0)
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=dsconfig.build(cfg, world, "cpu")
+        )
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+        engine.backward(engine(ids, labels=ids))
+        engine.step()  # Adam's moments now exist
+        engine.backward(engine(ids, labels=ids))  # gradients held, as at the peak before a step
+        measured[f"{stage}/{offload}/{precision}"] = held_model_state_bytes(engine)
+        engine.destroy()
+    return measured
+
+
+@pytest.mark.slow
+def test_model_states_match_the_real_engine_within_5_percent() -> None:
+    ranks = run_distributed(_measure_engines, 2, ENGINE_CASES, timeout=600)
+    failures = []
+    for stage, offload, precision in ENGINE_CASES:
+        key = f"{stage}/{offload}/{precision}"
+        estimated = memory.model_states(memory.setup_from_config(_config(stage, offload, precision))).total
+        for rank, measured in enumerate(ranks):
+            error = abs(estimated - measured[key]) / measured[key]
+            if error > 0.05:
+                failures.append(f"{key} rank {rank}: estimated {estimated}, engine holds {measured[key]}")
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- activations
+
+
+def saved_activation_bytes(model: Any, ids: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one forward with loss (parameters excluded, storages once).
+
+    Checkpointed blocks and the loss chunks hand their inputs to torch.utils.checkpoint instead of
+    autograd; forward pre-hooks see those inputs, which stay alive until the recomputation.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def inputs_kept(module: Any, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    keep(arg)
+
+    recomputed = [model.layers[i] for i in sorted(model._checkpointed)] + [model.lm_head]
+    hooks = [module.register_forward_pre_hook(inputs_kept) for module in recomputed]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            model(ids, labels=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_activation_estimate_matches_saved_tensors_within_10_percent(precision: str, mode: str) -> None:
+    from llmtrain.model import build_model
+
+    cfg = resolve(
+        flags={
+            "preset": "debug",
+            "train.precision": precision,
+            "train.micro_batch": 2,
+            "train.seq_len": 96,
+            "train.activation_checkpointing": mode,
+            "train.checkpoint_every_k": 2,
+            "model.num_hidden_layers": 3,
+        }
+    )
+    model = build_model(cfg.model, seed=0)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    model.set_activation_checkpointing(mode, cfg.train.checkpoint_every_k)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+    measured = saved_activation_bytes(model, ids)
+    estimated = memory.activation_bytes(memory.setup_from_config(cfg))
+    assert abs(estimated - measured) / measured <= 0.10, (estimated, measured)
+
+
+def test_checkpointing_modes_order_and_shrink_activations() -> None:
+    def saved(mode: str) -> int:
+        cfg = resolve(flags={"preset": "tiny", "train.activation_checkpointing": mode})
+        return memory.activation_bytes(memory.setup_from_config(cfg))
+
+    assert saved("full") < saved("selective") < saved("none")
