@@ -25,8 +25,6 @@ import torch
 from llmtrain import checkpoint as ckpt
 from llmtrain.checkpoint import CheckpointError
 
-pytestmark = pytest.mark.slow
-
 SEQ = 16
 # (directory, ZeRO stage, precision): bf16 is the default precision; stage 0 also in fp32, where the
 # module itself holds the fp32 weights.
@@ -220,6 +218,7 @@ def _copy(root: Path, tmp_path: Path) -> Path:
 # ---------------------------------------------------------------- save + load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_restores_weights_optimizer_client_state_and_rng(round_trips, name):
     root, results = round_trips
@@ -240,6 +239,7 @@ def test_round_trip_restores_weights_optimizer_client_state_and_rng(round_trips,
     assert not (where / ".incoming" / "step_00000002").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "zero0"])
 def test_consolidated_fp32_equals_engine_weights(round_trips, name):
     root, results = round_trips
@@ -250,6 +250,7 @@ def test_consolidated_fp32_equals_engine_weights(round_trips, name):
         assert got[key].dtype == torch.float32 and torch.equal(got[key], tensor), key
 
 
+@pytest.mark.slow
 def test_consolidated_fp32_of_bf16_stage0_is_the_master_copy(round_trips):
     root, results = round_trips
     bf16_params = _tensors(results[0]["zero0"]["weights"])  # the module's bf16 values, upcast
@@ -269,6 +270,7 @@ def test_load_refuses_what_deepspeed_would_silently_skip(tmp_path):
 # ---------------------------------------------------------------- failure on one rank, prune
 
 
+@pytest.mark.slow
 def test_failed_save_on_one_rank_is_reported_everywhere_and_keeps_previous(failures):
     root, results = failures
     for rank, r in enumerate(results):
@@ -283,6 +285,7 @@ def test_failed_save_on_one_rank_is_reported_everywhere_and_keeps_previous(failu
     assert not (root / ".incoming" / "step_00000002").exists()
 
 
+@pytest.mark.slow
 def test_saves_after_a_failure_succeed_and_keep_prunes(failures):
     root, results = failures
     for r in results:
@@ -316,6 +319,7 @@ def _shard(ckpt_dir: Path) -> Path:
     return shard
 
 
+@pytest.mark.slow
 def test_truncated_shard_is_named_and_resume_falls_back(failures, tmp_path):
     root = _copy(failures[0], tmp_path)
     shard = _shard(root / "step_00000004")
@@ -330,6 +334,7 @@ def test_truncated_shard_is_named_and_resume_falls_back(failures, tmp_path):
         ckpt.choose_checkpoint(root, strict=True)
 
 
+@pytest.mark.slow
 def test_corrupt_bytes_and_added_files_are_named(failures, tmp_path):
     root = _copy(failures[0], tmp_path)
     shard = _shard(root / "step_00000004")
@@ -342,6 +347,7 @@ def test_corrupt_bytes_and_added_files_are_named(failures, tmp_path):
     assert any("mp_rank_01_model_states.pt" in p and "not in the manifest" in p for p in problems)
 
 
+@pytest.mark.slow
 def test_latest_naming_a_missing_checkpoint_falls_back(failures, tmp_path):
     root = _copy(failures[0], tmp_path)
     (root / "latest").write_text("step_00000009")
@@ -386,6 +392,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_pickled_code_in_a_checkpoint_is_refused_and_never_runs(failures, tmp_path):
     root = _copy(failures[0], tmp_path)
     marker = tmp_path / "PWNED"
@@ -403,6 +410,7 @@ def test_pickled_code_in_a_checkpoint_is_refused_and_never_runs(failures, tmp_pa
     assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None
 
 
+@pytest.mark.slow
 def test_real_checkpoints_pass_the_scan(failures, round_trips):
     for root in [failures[0], *(round_trips[0] / name for name in NAMES)]:
         for info in ckpt.list_complete(root):
@@ -412,6 +420,7 @@ def test_real_checkpoints_pass_the_scan(failures, round_trips):
 # ---------------------------------------------------------------- world size 2 -> 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("stage", "source"), [(2, "failures"), (3, "round_trips")])
 def test_resume_on_a_different_world_size_through_universal(request, tmp_path, stage, source):
     from dist import run_distributed
@@ -433,6 +442,7 @@ def test_resume_on_a_different_world_size_through_universal(request, tmp_path, s
         assert torch.equal(torch.from_numpy(got["weights"][name]), tensor), name
 
 
+@pytest.mark.slow
 def test_universal_is_refused_for_unpartitioned_state(round_trips, tmp_path):
     where = _copy(round_trips[0] / "zero0", tmp_path)
     (info,) = ckpt.list_complete(where)
