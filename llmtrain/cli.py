@@ -100,7 +100,12 @@ def with_train_flags(func: Callable[..., Any]) -> Callable[..., Any]:
         p.replace(annotation=hints.get(p.name, p.annotation))
         for p in inspect.signature(func).parameters.values()
     ][1:]
-    flag_params = [_flag_param(flag, key) for flag, key in config_mod.FLAG_KEYS.items()]
+    taken = {p.name for p in own}  # e.g. resume's RUN_DIR argument replaces --run-dir
+    flag_params = [
+        p
+        for p in (_flag_param(flag, key) for flag, key in config_mod.FLAG_KEYS.items())
+        if p.name not in taken
+    ]
     names = {p.name: config_mod.FLAG_KEYS[f"--{p.name.replace('_', '-')}"] for p in flag_params}
 
     @functools.wraps(func)
@@ -244,7 +249,53 @@ def estimate_memory_cmd(
         memory.render(doc)
 
 
-for _verb in ("train", "resume", "eval", "generate", "export", "runs"):
+@app.command("train")
+@with_train_flags
+def train_cmd(
+    cfg_args: dict[str, Any],
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume", help="`auto`: resume when the run directory holds a checkpoint, else start."
+        ),
+    ] = None,
+) -> None:
+    """Train a model: DeepSpeed config from the flags, Llama model, checkpoints, LR schedule."""
+    from llmtrain import launch
+
+    if resume not in (None, "auto"):
+        raise ConfigError(
+            f"--resume: only `auto` is accepted, got {resume!r}; to resume a run use `llmtrain resume RUN_DIR`"
+        )
+    _exit_with(launch.start_train(resolve_config(cfg_args), resume_auto=resume == "auto"))
+
+
+@app.command("resume")
+@with_train_flags
+def resume_cmd(
+    cfg_args: dict[str, Any],
+    run_dir: Annotated[Path, typer.Argument(help="The run directory to continue.", show_default=False)],
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Refuse a corrupt checkpoint instead of falling back.")
+    ] = False,
+) -> None:
+    """Continue a run exactly where its last complete checkpoint stopped (same data, LR, loss curve)."""
+    from llmtrain import launch
+
+    if strict:
+        cfg_args["sets"] = [*cfg_args["sets"], "checkpoint.strict=true"]
+    given = (
+        cfg_args["config_file"] or cfg_args["sets"] or any(v is not None for v in cfg_args["flags"].values())
+    )
+    _exit_with(launch.start_resume(run_dir, cfg_args if given else None))
+
+
+def _exit_with(code: int) -> None:
+    if code:
+        raise typer.Exit(code)
+
+
+for _verb in ("eval", "generate", "export", "runs"):
     app.command(_verb, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
         _not_yet(_verb)
     )
@@ -332,8 +383,23 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc, 2, str(exc))
     except RunFailed as exc:
         return _fail(exc, 1, str(exc))
+    except Exception as exc:
+        return _fail_known(exc)
     except KeyboardInterrupt as exc:
         return _fail(exc, 130, "interrupted")
+
+
+def _fail_known(exc: Exception) -> int:
+    """Errors of the run itself: a bad checkpoint is bad input (2); divergence or a failed save is 1."""
+    from llmtrain.checkpoint import CheckpointError
+    from llmtrain.stability import TrainingDiverged
+    from llmtrain.trainer import SaveFailed
+
+    if isinstance(exc, CheckpointError):
+        return _fail(exc, 2, str(exc))
+    if isinstance(exc, (TrainingDiverged, SaveFailed)):
+        return _fail(exc, 1, str(exc))
+    raise exc
 
 
 def _usage_message(exc: ClickException) -> str:

@@ -85,7 +85,7 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     name: Literal["cosine", "wsd", "linear", "constant"] = _f("cosine", "learning-rate schedule")
-    warmup_steps: int = _f(100, "linear warmup steps")
+    warmup_steps: int | None = _f(None, "linear warmup steps; none = min(100, a tenth of the run)")
     min_lr_ratio: float = _f(0.1, "final LR as a fraction of the peak (cosine, linear, wsd)")
     decay_fraction: float = _f(0.2, "wsd: fraction of the run spent in the final decay")
     decay_shape: Literal["linear", "cosine", "sqrt"] = _f("linear", "wsd: shape of the final decay")
@@ -194,6 +194,12 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.train.seq_len
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.schedule.warmup_steps is not None:
+            return self.schedule.warmup_steps
+        return min(100, self.total_steps // 10)
 
     @property
     def total_steps(self) -> int:
@@ -573,7 +579,7 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1", "betas must be in [0, 1)")
     _require(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
     s = cfg.schedule
-    _require(s.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
+    _require(s.warmup_steps is None or s.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
     _require(0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]")
     _require(0 < s.decay_fraction <= 1, "schedule.decay_fraction", "must be in (0, 1]")
 

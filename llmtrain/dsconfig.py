@@ -53,8 +53,14 @@ def check_hardware(cfg: TrainConfig, accelerator: str) -> None:
         )
 
 
-def build(cfg: TrainConfig, world_size: int, accelerator: str = "cpu") -> dict[str, Any]:
-    """The DeepSpeed config dict for `deepspeed.initialize(config=...)`."""
+def build(
+    cfg: TrainConfig, world_size: int, accelerator: str = "cpu", load_universal: bool = False
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for `deepspeed.initialize(config=...)`.
+
+    `load_universal`: the run resumes from a checkpoint converted to DeepSpeed's universal format
+    (saved at another world size).
+    """
     check_hardware(cfg, accelerator)
     train_batch, micro, accum = batch_triple(cfg, world_size)
     ds: dict[str, Any] = {
@@ -69,6 +75,8 @@ def build(cfg: TrainConfig, world_size: int, accelerator: str = "cpu") -> dict[s
         "zero_allow_untested_optimizer": True,
     }
     ds.update(_precision(cfg))
+    if load_universal:
+        ds["checkpoint"] = {"load_universal": True}
     return ds
 
 

@@ -27,6 +27,7 @@ Steps past the end of the run stay at the final LR. The run length itself is `Tr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from llmtrain.config import ConfigError, ScheduleConfig, TrainConfig, flag_for
@@ -39,8 +40,9 @@ def lr_at(step: int, cfg: ScheduleConfig, peak_lr: float, total_steps: int) -> f
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     step = min(step, total_steps - 1)
-    if step < cfg.warmup_steps:
-        return peak_lr * (step + 1) / cfg.warmup_steps
+    warmup = cfg.warmup_steps or 0  # TrainConfig.warmup_steps resolves `none` before this is called
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
     if cfg.name == "constant":
         return peak_lr
     min_lr = cfg.min_lr_ratio * peak_lr
@@ -51,7 +53,7 @@ def lr_at(step: int, cfg: ScheduleConfig, peak_lr: float, total_steps: int) -> f
             return peak_lr
         return _decayed(peak_lr, min_lr, (step - last_stable) / decay, cfg.decay_shape)
     # cosine and linear decay from the peak step to the last step.
-    peak_step = max(cfg.warmup_steps - 1, 0)
+    peak_step = max(warmup - 1, 0)
     span = total_steps - 1 - peak_step
     if span <= 0:
         return peak_lr
@@ -79,12 +81,14 @@ def _decayed(peak_lr: float, min_lr: float, progress: float, shape: str) -> floa
 
 def lr_for(cfg: TrainConfig, step: int) -> float:
     """`lr_at` with the run's schedule, peak LR (`--lr`) and length."""
-    return lr_at(step, cfg.schedule, cfg.optim.lr, cfg.total_steps)
+    schedule = dataclasses.replace(cfg.schedule, warmup_steps=cfg.warmup_steps)
+    return lr_at(step, schedule, cfg.optim.lr, cfg.total_steps)
 
 
 def check_schedule(cfg: TrainConfig) -> None:
     """Reject schedules that cannot run as asked; raises ConfigError naming the flag to change."""
-    s, total = cfg.schedule, cfg.total_steps
+    s, total = dataclasses.replace(cfg.schedule, warmup_steps=cfg.warmup_steps), cfg.total_steps
+    assert s.warmup_steps is not None
     warmup_flag = flag_for("schedule.warmup_steps")
     length = f"the run's {total} steps (--steps, or --tokens / tokens per step)"
     if s.warmup_steps > total:

@@ -20,4 +20,18 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, deepspeed, transformers, llmtrain" 2>/dev/null \
     || { echo "error: installation incomplete (import check failed)"; exit 1; }
+# DeepSpeed JIT-builds its CPU ops (about a minute each) on first use; build them once here so the
+# first training run or test does not pay for it (and parallel first uses do not race on the build).
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "building DeepSpeed's CPU ops (cpu_adam, fused_adam, async_io) once"
+    DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' || echo "warning: prebuilding DeepSpeed ops failed; they will build on first use"
+from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder
+from deepspeed.ops.op_builder import AsyncIOBuilder
+
+CPUAdamBuilder().load(verbose=False)
+FusedAdamBuilder().load(verbose=False)
+if AsyncIOBuilder().is_compatible(verbose=False):
+    AsyncIOBuilder().load(verbose=False)
+PY
+fi
 echo "installed into .venv"

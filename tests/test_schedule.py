@@ -85,7 +85,11 @@ def test_tokens_to_steps_and_lr_for() -> None:
     cfg = config.resolve(flags={"train.tokens": 1_000_000, "train.global_batch": 8, "train.seq_len": 256})
     assert cfg.tokens_per_step == 2048
     assert cfg.total_steps == 489  # ceil(1_000_000 / 2048)
-    assert lr_for(cfg, 0) == pytest.approx(cfg.optim.lr / 100)
+    assert cfg.warmup_steps == 48  # default: a tenth of the run, at most 100
+    assert lr_for(cfg, 0) == pytest.approx(cfg.optim.lr / 48)
+    assert lr_for(cfg, 47) == pytest.approx(cfg.optim.lr)
+    long_run = config.resolve(flags={"train.steps": 5000})
+    assert long_run.warmup_steps == 100
     assert lr_for(cfg, 488) == pytest.approx(cfg.optim.lr * cfg.schedule.min_lr_ratio)
 
 

@@ -1,0 +1,104 @@
+"""The run directory: everything needed to understand and resume a run.
+
+RUN_DIR/config.yaml       the fully resolved TrainConfig (what `resume` reloads)
+RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize
+RUN_DIR/environment.json  library versions, git sha, hardware, world size
+RUN_DIR/metrics.jsonl     one record per logged step (metrics.py)
+RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (checkpoint.py)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from llmtrain.config import ConfigError, TrainConfig, dump_yaml
+
+CONFIG_FILE = "config.yaml"
+DS_CONFIG_FILE = "ds_config.json"
+ENVIRONMENT_FILE = "environment.json"
+CHECKPOINT_DIR = "checkpoints"
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    """runs/<preset>-zero<stage>-<yyyymmdd-hhmmss>: readable, sortable, unique per second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = _SAFE_NAME.sub("-", f"{cfg.preset}-zero{cfg.zero.stage}-{stamp}")
+    return Path("runs") / name
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINT_DIR
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    root = checkpoint_root(run_dir)
+    return root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir())
+
+
+def refuse_fresh_run_over_checkpoints(run_dir: Path) -> None:
+    if has_checkpoints(run_dir):
+        raise ConfigError(
+            f"--run-dir {run_dir}: already holds checkpoints; continue it with `llmtrain resume {run_dir}`, "
+            "pass --resume auto, or choose another --run-dir"
+        )
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def write_run_files(run_dir: Path, cfg: TrainConfig, ds_config: dict[str, Any], world_size: int) -> None:
+    """Rank 0 only: config.yaml, ds_config.json and environment.json, each written atomically."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / CONFIG_FILE, dump_yaml(cfg))
+    write_atomic(run_dir / DS_CONFIG_FILE, json.dumps(ds_config, indent=2) + "\n")
+    write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
+
+
+def environment(world_size: int) -> dict[str, Any]:
+    """Versions, git sha and hardware: what a later reader needs to reproduce the run."""
+    import deepspeed
+    import torch
+
+    import llmtrain
+
+    env: dict[str, Any] = {
+        "llmtrain": llmtrain.__version__,
+        "git_sha": _git_sha(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "world_size": world_size,
+        "accelerator": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return env
+
+
+def _git_sha() -> str | None:
+    here = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None

@@ -1,0 +1,371 @@
+"""The training loop on DeepSpeed. `run()` is a list of build calls; `Trainer.train()` fits on one screen.
+
+Every rank runs the same code. The few decisions that must agree across ranks (skip this update, save
+now, stop now) are taken from one small all-reduce per step, so no rank can go its own way and hang
+the others in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmtrain import checkpoint, distributed, dsconfig, faults, rundir, schedule
+from llmtrain.config import TrainConfig, to_dict
+from llmtrain.data.dataset import TrainLoader, val_batches
+from llmtrain.data.prepare import PreparedData, ensure_prepared
+from llmtrain.distributed import World
+from llmtrain.metrics import MetricsLogger
+from llmtrain.model import Llama, build_model
+from llmtrain.stability import StabilityGuard, Verdict
+
+
+@dataclass
+class Counters:
+    """Plain-data progress, saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps completed (skipped ones included: the data moved on)
+    tokens: int = 0  # tokens consumed
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float | None
+    lr: float
+    verdict: Verdict
+    save_due: bool
+    stop_requested: bool
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written and checkpoint.on_save_failure is `stop` (exit code 1)."""
+
+
+class StopSignal:
+    """SIGTERM / SIGINT set a flag; the loop finishes the step, all ranks agree, save, exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.name = ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        self.name = signal.Signals(signum).name
+
+
+def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
+    """Train (or continue) the run in `run_dir`; returns the end-of-run summary."""
+    world = distributed.init(cfg.launch.collective_timeout_s)
+    failed = True
+    try:
+        summary = build_trainer(cfg, world, run_dir, resume).train()
+        failed = False
+        return summary
+    finally:
+        if failed and torch.distributed.is_initialized():
+            # Another rank may be waiting in a collective for us: skip the barrier, the launcher ends it.
+            torch.distributed.destroy_process_group()
+        elif not failed:
+            distributed.shutdown()
+
+
+def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -> Trainer:
+    schedule.check_schedule(cfg)
+    _seed_everything(cfg.train.seed)
+    root = rundir.checkpoint_root(run_dir)
+    choice = checkpoint.choose_checkpoint(root, cfg.checkpoint.strict) if resume else None
+    universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
+    ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
+    if world.is_main:
+        rundir.write_run_files(run_dir, cfg, ds_config, world.world_size)
+    prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
+    engine = _build_engine(cfg, ds_config, world)
+    trainer = Trainer(cfg, world, run_dir, engine, prepared)
+    if choice is not None:
+        # Saved at another world size: DeepSpeed's universal format re-partitions the states.
+        tag = checkpoint.convert_to_universal(root, choice.tag).name if universal else choice.tag
+        trainer.restore(tag, choice.warnings)
+    trainer.open_metrics()
+    return trainer
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _build_engine(cfg: TrainConfig, ds_config: dict[str, Any], world: World) -> Any:
+    import deepspeed
+
+    model = build_model(cfg.model, device=world.device, seed=cfg.train.seed)
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
+    if cfg.train.compile:
+        model.compile_blocks()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config
+    )
+    return engine
+
+
+def param_groups(model: Llama, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on weight matrices only: not on norms, not on the (possibly tied) embedding."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        is_matrix = param.ndim >= 2 and not name.startswith("embed_tokens")
+        (decay if is_matrix else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Any, prepared: PreparedData):
+        self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
+        self.ckpt_root = rundir.checkpoint_root(run_dir)
+        self.loader = TrainLoader(
+            prepared,
+            cfg.train.seq_len,
+            cfg.train.micro_batch,
+            engine.train_batch_size(),
+            rank=world.rank,
+            world_size=world.world_size,
+            seed=cfg.train.seed,
+            document_masking=cfg.data.document_masking,
+            pin_memory=world.accelerator == "cuda",
+        )
+        self.val = self._val_batches(prepared)
+        self.guard = StabilityGuard(cfg.stability)
+        self.counters = Counters()
+        self.total_steps = cfg.total_steps
+        self.tokens_per_step = engine.train_batch_size() * cfg.train.seq_len
+        self.signal = StopSignal()
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = -1
+        self.faults = faults.from_env(world.rank)
+        self.metrics: MetricsLogger | None = None
+
+    def _val_batches(self, prepared: PreparedData) -> list[dict[str, torch.Tensor]]:
+        if not self.cfg.train.eval_every:
+            return []
+        return val_batches(
+            prepared,
+            self.cfg.train.seq_len,
+            self.cfg.train.micro_batch,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            n_batches=self.cfg.train.eval_batches,
+            document_masking=self.cfg.data.document_masking,
+        )
+
+    def open_metrics(self) -> None:
+        self.metrics = MetricsLogger.from_config(
+            self.cfg,
+            self.run_dir,
+            rank=self.world.rank,
+            resume_step=self.counters.step,
+            device=self.world.device,
+        )
+
+    # ------------------------------------------------------------ the loop
+
+    def train(self) -> dict[str, Any]:
+        assert self.metrics is not None
+        self.metrics.start(self.counters.step, self.counters.tokens)
+        stopped_by = ""
+        while self.counters.step < self.total_steps:
+            result = self.train_step(self.loader.next_step())
+            self.counters.step += 1
+            self.counters.tokens += self.tokens_per_step
+            self.guard.record(result.loss, result.grad_norm, result.verdict)  # raises after K skips in a row
+            self.log(result)
+            self.maybe_evaluate()
+            if result.save_due or result.stop_requested:
+                self.save()
+            if result.stop_requested:
+                stopped_by = self.signal.name or "signal"
+                break
+        if not stopped_by and self.last_saved_step != self.counters.step:
+            self.save()
+        self.loader.close()
+        summary = self.metrics.close()
+        summary["stopped_by"] = stopped_by or None
+        return summary
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        lr = schedule.lr_for(self.cfg, self.counters.step)
+        self._set_lr(lr)
+        *head, last = micro_batches
+        losses = []
+        for batch in head:
+            loss = self._forward(batch)
+            losses.append(loss.detach())
+            self.engine.backward(loss)
+            self.engine.step()
+        loss = self._forward(last)
+        losses.append(loss.detach())
+        mean_loss, save_due, stop = self._agree(losses)
+        verdict = self.guard.judge(mean_loss, None)
+        # A NaN gradient makes DeepSpeed's overflow path drop this update on every rank.
+        self.engine.backward(loss * float("nan") if verdict.skip else loss)
+        plain_norm = self._drop_bad_grads_of_plain_optimizer()
+        self.engine.step()
+        grad_norm = plain_norm if self._plain_optimizer() else self._engine_grad_norm()
+        if not verdict.skip:
+            verdict = self._judge_after_update(mean_loss, grad_norm)
+        self.faults.after_step(self.counters.step)
+        return StepResult(mean_loss, grad_norm, lr, verdict, save_due, stop)
+
+    # ------------------------------------------------------------ step helpers
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.engine(**{k: v.to(self.world.device, non_blocking=True) for k, v in batch.items()})
+        return self.faults.corrupt_loss(loss, self.counters.step)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _agree(self, losses: list[torch.Tensor]) -> tuple[float, bool, bool]:
+        """One all-reduce: the global mean loss, and whether any rank wants to save or stop."""
+        local = float(torch.stack(losses).float().sum())
+        minutes = self.cfg.checkpoint.save_every_minutes
+        time_due = minutes is not None and time.monotonic() - self.last_save_time >= minutes * 60
+        total, count, save, stop = distributed.all_reduce_sum(
+            [local, float(len(losses)), float(time_due), float(self.signal.requested)], self.world.device
+        )
+        every = self.cfg.checkpoint.save_every
+        step_due = every is not None and (self.counters.step + 1) % every == 0
+        return total / count, step_due or save > 0, stop > 0
+
+    def _plain_optimizer(self) -> bool:
+        """Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own."""
+        return self.cfg.zero.stage == 0 and self.cfg.train.precision == "fp32"
+
+    def _drop_bad_grads_of_plain_optimizer(self) -> float | None:
+        """Stage 0 fp32: gradients are whole on every rank; drop non-finite ones so AdamW skips them."""
+        if not self._plain_optimizer():
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        norm = float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        )
+        if not math.isfinite(norm):
+            for p in self.engine.module.parameters():
+                p.grad = None  # torch's AdamW leaves parameters without gradients, and their state, untouched
+        return norm
+
+    def _engine_grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def _judge_after_update(self, loss: float, grad_norm: float | None) -> Verdict:
+        verdict = self.guard.judge(loss, grad_norm)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            return verdict  # DeepSpeed (or the stage-0 path above) already dropped this update
+        if verdict.skip:
+            # A finite grad-norm spike is known only once DeepSpeed has computed the norm inside step():
+            # the update is applied and the spike is reported, never silently ignored.
+            return Verdict(skip=False, reason=f"{verdict.reason}; update already applied", spike=True)
+        return verdict
+
+    # ------------------------------------------------------------ hooks
+
+    def log(self, result: StepResult) -> None:
+        assert self.metrics is not None
+        if result.verdict.reason:
+            action = "skipped" if result.verdict.skip else "warning"
+            self.metrics.warn(f"step {self.counters.step}: {result.verdict.reason} ({action})")
+        step = self.counters.step
+        if step % self.cfg.logging.log_every == 0 or step == self.total_steps or step == 1:
+            self.metrics.log_step(
+                step,
+                loss=result.loss,
+                lr=result.lr,
+                grad_norm=result.grad_norm,
+                tokens=self.counters.tokens,
+                skipped=self.guard.skipped_total,
+                spikes=self.guard.spikes_total,
+            )
+
+    def maybe_evaluate(self) -> None:
+        every = self.cfg.train.eval_every
+        if every and (self.counters.step % every == 0 or self.counters.step == self.total_steps):
+            assert self.metrics is not None
+            self.metrics.log_eval(self.counters.step, self.evaluate())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.engine.eval()
+        total = 0.0
+        for batch in self.val:
+            total += float(self.engine(**{k: v.to(self.world.device) for k, v in batch.items()}))
+        self.engine.train()
+        summed, count = distributed.all_reduce_sum([total, float(len(self.val))], self.world.device)
+        return summed / max(count, 1.0)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def client_state(self) -> dict[str, Any]:
+        return {
+            "step": self.counters.step,
+            "tokens": self.counters.tokens,
+            "loader": self.loader.state_dict(),
+            "guard": self.guard.state_dict(),
+            "config": to_dict(self.cfg),
+            "world_size": self.world.world_size,
+        }
+
+    def save(self) -> None:
+        assert self.metrics is not None
+        result = checkpoint.save(
+            self.engine,
+            self.ckpt_root,
+            self.counters.step,
+            self.client_state(),
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            keep=self.cfg.checkpoint.keep,
+            keep_every=self.cfg.checkpoint.keep_every,
+        )
+        self.last_save_time = time.monotonic()
+        if result.ok:
+            self.last_saved_step = self.counters.step
+            return
+        message = f"checkpoint at step {self.counters.step} failed: {result.error}; previous checkpoint kept"
+        if self.cfg.checkpoint.on_save_failure == "stop":
+            raise SaveFailed(message)
+        self.metrics.warn(message + "; retrying at the next interval")
+
+    def restore(self, tag: str, warnings: list[str]) -> None:
+        state = checkpoint.load(self.engine, self.ckpt_root, tag)
+        rng = state.pop("rng", None)
+        if rng is not None:
+            checkpoint.restore_rng(rng)
+        self.counters = Counters(step=int(state["step"]), tokens=int(state["tokens"]))
+        self.loader.load_state_dict(state["loader"])
+        self.guard.load_state_dict(state["guard"])
+        self.last_saved_step = self.counters.step
+        if self.world.is_main:
+            for warning in warnings:
+                print(f"warning: {warning}", flush=True)

@@ -1,0 +1,137 @@
+"""DeepSpeed config generation: the reference files, the batch triple, and DeepSpeed accepting them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist import run_distributed
+
+from llmtrain import config as c
+from llmtrain import dsconfig
+
+REPO = Path(__file__).resolve().parent.parent
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def test_reference_files_match_the_code() -> None:
+    generated = dsconfig.reference_configs()
+    assert sorted(p.stem for p in DS_CONFIGS) == sorted(generated)
+    for path in DS_CONFIGS:
+        assert json.loads(path.read_text()) == generated[path.stem], (
+            f"{path.name} drifted: run `make ds-configs`"
+        )
+
+
+def test_stage3_cpu_offload_offloads_optimizer_and_parameters() -> None:
+    ds = json.loads((REPO / "ds_configs" / "zero3_offload_cpu.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    ds2 = json.loads((REPO / "ds_configs" / "zero2_offload_cpu.json").read_text())
+    assert "offload_param" not in ds2["zero_optimization"]  # stage 2 has no parameter partitions
+
+
+def test_batch_triple_is_consistent() -> None:
+    cfg = c.resolve(flags={"train.micro_batch": "2", "train.global_batch": "16"})
+    assert dsconfig.batch_triple(cfg, 2) == (16, 2, 4)
+    assert dsconfig.batch_triple(cfg, 4) == (16, 2, 2)
+    with pytest.raises(c.ConfigError, match="not divisible by micro-batch 2 x world size 3"):
+        dsconfig.batch_triple(cfg, 3)
+    assert dsconfig.batch_triple(c.resolve(flags={"train.micro_batch": "4"}), 3) == (12, 4, 1)
+
+
+def test_bucket_sizes_scale_with_the_model() -> None:
+    small = dsconfig.build(c.resolve(flags={"preset": "debug", "zero.stage": "3"}), 1)["zero_optimization"]
+    big = dsconfig.build(c.resolve(flags={"preset": "7b", "zero.stage": "3"}), 1)["zero_optimization"]
+    # DeepSpeed's default reduce bucket is 5e8 elements (1 GB in bf16) whatever the model size.
+    assert small["reduce_bucket_size"] == dsconfig.MIN_BUCKET_ELEMENTS
+    assert big["reduce_bucket_size"] == 4096 * 4096
+    assert big["stage3_param_persistence_threshold"] == 10 * 4096
+
+
+def test_precision_sections() -> None:
+    bf16 = dsconfig.build(c.resolve(flags={"train.precision": "bf16", "zero.stage": "2"}), 1)
+    assert bf16["bf16"]["enabled"] and bf16["data_types"]["grad_accum_dtype"] == "fp32"
+    fp32 = dsconfig.build(c.resolve(flags={"train.precision": "fp32"}), 1)
+    assert "bf16" not in fp32 and "fp16" not in fp32
+    fp16 = dsconfig.build(c.resolve(flags={"train.precision": "fp16"}), 1, accelerator="cuda")
+    assert fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    with pytest.raises(c.ConfigError, match="fp16 needs a CUDA GPU"):
+        dsconfig.build(c.resolve(flags={"train.precision": "fp16"}), 1, accelerator="cpu")
+
+
+def _initialize_with(rank: int, world_size: int, ds: dict, nvme_dir: str) -> dict:
+    import deepspeed
+    import torch
+
+    if (
+        "offload_param" in ds["zero_optimization"]
+        and ds["zero_optimization"]["offload_param"]["device"] == "nvme"
+    ):
+        ds["zero_optimization"]["offload_param"]["nvme_path"] = nvme_dir
+        ds["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme_dir
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds
+    )
+    x = torch.randn(ds["train_micro_batch_size_per_gpu"], 16, dtype=torch.bfloat16)
+    for _ in range(ds["gradient_accumulation_steps"]):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    return {
+        "stage": engine.zero_optimization_stage(),
+        "steps": engine.global_steps,
+        "optimizer": type(optimizer).__name__,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.stem)
+def test_deepspeed_accepts_reference_config_on_cpu(path: Path, tmp_path: Path) -> None:
+    ds = json.loads(path.read_text())
+    [result] = run_distributed(_initialize_with, 1, ds, str(tmp_path), timeout=600)
+    assert result["stage"] == ds["zero_optimization"]["stage"]
+    assert result["steps"] == 1  # one optimizer step after gradient_accumulation_steps micro-steps
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmtrain", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_config_command_prints_stage3_cpu_offload_json() -> None:
+    out = _cli("config", "--zero", "3", "--offload", "cpu")
+    assert out.returncode == 0, out.stderr
+    ds = json.loads(out.stdout)
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--zero", "4"], "--zero: invalid stage 4; valid values: 0, 1, 2, 3"),
+        (["--zero", "0", "--offload", "cpu"], "--offload"),
+        (["--zero", "3", "--offload", "nvme"], "--nvme-path"),
+        (["--micro-batch", "3", "--global-batch", "8"], "--global-batch"),
+        (["--precision", "fp16"], "--precision: fp16 needs a CUDA GPU"),
+        (["--precision", "fp8"], "--precision"),
+        (["--gpus", "0"], "--gpus"),
+        (["--set", "zero.stagee=1"], "did you mean zero.stage?"),
+        (["--preset", "huge"], "--preset: unknown preset 'huge'"),
+    ],
+)
+def test_config_command_rejects_bad_input_with_one_line(args: list[str], needle: str) -> None:
+    out = _cli("config", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
