@@ -86,7 +86,7 @@ def deepspeed_command(cfg: TrainConfig, worker_args: list[str]) -> list[str]:
     else:
         # No hostfile: single node on this machine (DeepSpeed refuses --num_nodes > 1 without one).
         cmd += ["--hostfile", os.devnull]
-    return [*cmd, "--module", "llmtrain", *worker_args]
+    return [*cmd, "--no_local_rank", "--module", "llmtrain", *worker_args]
 
 
 def relaunch(cfg: TrainConfig, worker_args: list[str]) -> int:

@@ -131,7 +131,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
     with pytest.raises(c.ConfigError, match="not valid YAML"):
         c.resolve(bad)
     bad.write_text("optim:\n  lr: [1, 2]\n")
-    with pytest.raises(c.ConfigError, match="optim.lr must be float"):
+    with pytest.raises(c.ConfigError, match=r"optim\.lr must be float"):
         c.resolve(bad)
 
 
