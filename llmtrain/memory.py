@@ -238,12 +238,15 @@ def model_states(setup: Setup) -> ModelStates:
 
 
 def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int) -> ModelStates:
+    # Under bf16 the fp32 accumulation partition is the gradient store, and the bf16 .grad of the last
+    # parameter produced (the embedding, at most the largest tensor) lives until the step.
+    pending = b * _largest_param(setup) if setup.precision == "bf16" else 0
     if setup.offload == "cpu":
         # Gradients reduce into an fp32 pinned CPU partition (the master's .grad); under bf16 DeepSpeed
         # also keeps the fp32 accumulation partition on the GPU.
         return ModelStates(
             params_gpu=b * p,
-            grads_gpu=round(FP32 * part) if setup.precision == "bf16" else 0,
+            grads_gpu=round(FP32 * part) + pending if setup.precision == "bf16" else 0,
             grads_cpu=round(FP32 * part),
             optim_cpu=round(optim * part),
             notes={
@@ -266,7 +269,7 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
     partitioned = setup.stage == 2 or setup.cfg.zero.overlap_comm
     # Gradients in the model dtype are kept as views of each parameter's .grad, so a parameter that
     # straddles the partition boundary keeps its whole gradient alive (bounded by the largest tensor).
-    straddle = 0 if a == FP32 and b != FP32 else a * _largest_param(setup)
+    straddle = pending if a == FP32 and b != FP32 else a * _largest_param(setup)
     return ModelStates(
         params_gpu=b * p,
         grads_gpu=round(a * part) + straddle if partitioned else a * p,
