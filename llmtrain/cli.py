@@ -295,10 +295,114 @@ def _exit_with(code: int) -> None:
         raise typer.Exit(code)
 
 
-for _verb in ("eval", "generate", "export", "runs"):
-    app.command(_verb, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
-        _not_yet(_verb)
+# ---------------------------------------------------------------- using a run: generate, eval, export, runs
+
+_SOURCE_HELP_EVAL = (
+    "A text source (as for prepare-data) or a prepared directory, read with the run's tokenizer."
+)
+_RUN_DIR_ARG = typer.Argument(
+    help="A run directory (holds config.yaml and checkpoints/).", metavar="RUN_DIR", show_default=False
+)
+_CHECKPOINT_OPT = typer.Option(
+    "--checkpoint",
+    "--step",
+    help="Checkpoint tag (step_00000100) or step number; default the latest complete one.",
+    show_default=False,
+)
+
+
+@app.command("generate")
+def generate_cmd(
+    run_dir: Annotated[Path, _RUN_DIR_ARG],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.", show_default=False)],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most new tokens to sample.")] = 100,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Sampling temperature; 0 = greedy (most likely token).")
+    ] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens.")] = 50,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler.")] = 0,
+    checkpoint: Annotated[str | None, _CHECKPOINT_OPT] = None,
+) -> None:
+    """Sample a continuation of --prompt from a run's checkpoint (single process, any ZeRO stage)."""
+    from llmtrain.inference import check_sampling, generate_text
+
+    check_sampling(max_tokens, temperature, top_k)
+    text = generate_text(
+        run_dir,
+        prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        checkpoint=checkpoint,
     )
+    print(text)
+
+
+@app.command("eval")
+def eval_cmd(
+    run_dir: Annotated[Path, _RUN_DIR_ARG],
+    data: Annotated[
+        str | None,
+        typer.Option(
+            "--data",
+            help=f"{_SOURCE_HELP_EVAL} Default: the run's validation split.",
+            show_default=False,
+        ),
+    ] = None,
+    batches: Annotated[
+        int | None,
+        typer.Option(
+            "--batches",
+            help="Micro-batches to evaluate; default those of training-time evaluation (or all of --data).",
+            show_default=False,
+        ),
+    ] = None,
+    checkpoint: Annotated[str | None, _CHECKPOINT_OPT] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON.")] = False,
+) -> None:
+    """Loss and perplexity of a run's checkpoint on its validation split or on another source."""
+    from llmtrain.inference import evaluate_run
+
+    result = evaluate_run(run_dir, data=data, batches=batches, checkpoint=checkpoint)
+    if json_out:
+        print(json.dumps(result))
+        return
+    print(
+        f"{result['checkpoint']} on {result['data']} ({result['split']} split): val_loss {result['val_loss']:.4f} "
+        f"val_ppl {result['val_ppl']:.2f} over {result['tokens']:,} tokens"
+    )
+
+
+@app.command("export")
+def export_cmd(
+    run_dir: Annotated[Path, _RUN_DIR_ARG],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the Hugging Face model.", show_default=False)
+    ],
+    checkpoint: Annotated[str | None, _CHECKPOINT_OPT] = None,
+) -> None:
+    """Write a Hugging Face model directory (model.safetensors, config.json, tokenizer) from a checkpoint."""
+    from llmtrain.inference import export_run
+
+    print(f"exported {export_run(run_dir, out, checkpoint)}")
+
+
+@app.command("runs")
+def runs_cmd(
+    directory: Annotated[
+        Path, typer.Argument(help="A directory of runs, or one run directory to list its checkpoints.")
+    ] = Path("runs"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the listing as JSON.")] = False,
+) -> None:
+    """List runs (steps, latest checkpoint, losses), or one run's checkpoints (size, verified)."""
+    from llmtrain import runs
+
+    doc = runs.listing(directory)
+    if json_out:
+        print(json.dumps(doc, indent=2))
+    else:
+        runs.render(doc)
 
 
 # ---------------------------------------------------------------- data verbs

@@ -5,6 +5,7 @@ RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize
 RUN_DIR/environment.json  library versions, git sha, hardware, world size
 RUN_DIR/metrics.jsonl     one record per logged step (metrics.py)
 RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (checkpoint.py)
+RUN_DIR/tokenizer.json    the tokenizer the data was prepared with (generate / eval / export use it)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
 ENVIRONMENT_FILE = "environment.json"
 CHECKPOINT_DIR = "checkpoints"
+TOKENIZER_FILE = "tokenizer.json"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -67,6 +69,12 @@ def write_run_files(run_dir: Path, cfg: TrainConfig, ds_config: dict[str, Any], 
     write_atomic(run_dir / CONFIG_FILE, dump_yaml(cfg))
     write_atomic(run_dir / DS_CONFIG_FILE, json.dumps(ds_config, indent=2) + "\n")
     write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
+
+
+def copy_tokenizer(run_dir: Path, tokenizer_json: Path) -> None:
+    """Rank 0 only: RUN_DIR/tokenizer.json, so the run directory alone is enough to sample or export."""
+    if tokenizer_json.is_file():
+        write_atomic(run_dir / TOKENIZER_FILE, tokenizer_json.read_text(encoding="utf-8"))
 
 
 def environment(world_size: int) -> dict[str, Any]:

@@ -91,6 +91,8 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     if world.is_main:
         rundir.write_run_files(run_dir, cfg, ds_config, world.world_size)
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
+    if world.is_main:
+        rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
     engine = _build_engine(cfg, ds_config, world)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
