@@ -7,10 +7,12 @@ the others in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -139,6 +141,21 @@ def param_groups(model: Llama, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
+@contextlib.contextmanager
+def _update_suppressed(optimizer: Any, suppress: bool) -> Iterator[None]:
+    """Stage 0 fp32: the bare torch optimizer must not see a non-finite gradient. DeepSpeed's step still
+    runs (clipping, zero_grad, step counters stay in line); only the optimizer's update is a no-op.
+    (Setting the gradients to None instead makes DeepSpeed's fp32 clipping fail on an empty list.)"""
+    if not suppress:
+        yield
+        return
+    optimizer.step = lambda *args, **kwargs: None  # shadows the class's step for this one call
+    try:
+        yield
+    finally:
+        del optimizer.step
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Any, prepared: PreparedData):
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
@@ -228,8 +245,10 @@ class Trainer:
         verdict = self.guard.judge(mean_loss, None)
         # A NaN gradient makes DeepSpeed's overflow path drop this update on every rank.
         self.engine.backward(loss * float("nan") if verdict.skip else loss)
-        plain_norm = self._drop_bad_grads_of_plain_optimizer()
-        self.engine.step()
+        plain_norm = self._plain_grad_norm()
+        bad_plain_grads = plain_norm is not None and not math.isfinite(plain_norm)
+        with _update_suppressed(self.engine.optimizer, bad_plain_grads):
+            self.engine.step()
         grad_norm = plain_norm if self._plain_optimizer() else self._engine_grad_norm()
         if not verdict.skip:
             verdict = self._judge_after_update(mean_loss, grad_norm)
@@ -262,18 +281,14 @@ class Trainer:
         """Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own."""
         return self.cfg.zero.stage == 0 and self.cfg.train.precision == "fp32"
 
-    def _drop_bad_grads_of_plain_optimizer(self) -> float | None:
-        """Stage 0 fp32: gradients are whole on every rank; drop non-finite ones so AdamW skips them."""
+    def _plain_grad_norm(self) -> float | None:
+        """Stage 0 fp32: gradients are whole (all-reduced) on every rank, so every rank sees the same norm."""
         if not self._plain_optimizer():
             return None
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        norm = float(
+        return float(
             torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         )
-        if not math.isfinite(norm):
-            for p in self.engine.module.parameters():
-                p.grad = None  # torch's AdamW leaves parameters without gradients, and their state, untouched
-        return norm
 
     def _engine_grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
