@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -53,6 +54,8 @@ def _root(
     ] = False,
 ) -> None:
     _state["debug"] = debug
+    if debug:
+        os.environ["LLMTRAIN_DEBUG"] = "1"  # inherited by the workers a launcher starts
 
 
 # ---------------------------------------------------------------- train flags, derived from the tree

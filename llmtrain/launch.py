@@ -11,12 +11,14 @@ only, which passes SIGTERM to the workers themselves, so they finish the step, s
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import FrameType
 
@@ -86,7 +88,35 @@ def deepspeed_command(cfg: TrainConfig, worker_args: list[str]) -> list[str]:
     else:
         # No hostfile: single node on this machine (DeepSpeed refuses --num_nodes > 1 without one).
         cmd += ["--hostfile", os.devnull]
+    # DeepSpeed's runner and launch.py log every spawn (INFO) and our /dev/null hostfile (WARNING);
+    # a failing worker is still reported (ERROR). --debug (LLMTRAIN_DEBUG) brings the rest back.
+    cmd += ["--log_level", "info" if debug_requested() else "error"]
     return [*cmd, "--no_local_rank", "--module", "llmtrain", *worker_args]
+
+
+DEBUG_ENV = "LLMTRAIN_DEBUG"  # set by `llmtrain --debug`, inherited by the workers
+
+
+def debug_requested() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def quiet_worker_output() -> None:
+    """Machine-readable worker output: no FutureWarning from DeepSpeed's use of deprecated torch
+    collectives on every step, DeepSpeed's logger at WARNING (unless --debug)."""
+    if debug_requested():
+        return
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+    from llmtrain.distributed import select_accelerator
+
+    select_accelerator()  # before DeepSpeed's first import, which picks its accelerator
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
 
 
 def relaunch(cfg: TrainConfig, worker_args: list[str]) -> int:
@@ -163,7 +193,7 @@ def start_train(cfg: TrainConfig, resume_auto: bool) -> int:
         rundir.refuse_fresh_run_over_checkpoints(run_dir)
     check_launch(cfg)
     # The global batch is fixed at the start, so a resume on another world size keeps it.
-    cfg.train.global_batch = cfg.global_batch
+    cfg.train.global_batch = cfg.train.global_batch or cfg.train.micro_batch * _world_size(cfg)
     cfg.schedule.warmup_steps = cfg.warmup_steps
     if needs_relaunch(cfg):
         _write_config(run_dir, cfg)
@@ -229,6 +259,12 @@ def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
     rundir.write_atomic(run_dir / rundir.CONFIG_FILE, dump_yaml(cfg))
 
 
+def _world_size(cfg: TrainConfig) -> int:
+    """The launcher's world size when inside one (torchrun --nnodes 2 runs `train --gpus 1` twice), else
+    the one --gpus x --nodes asks for."""
+    return int(os.environ["WORLD_SIZE"]) if _inside_launcher() else cfg.world_size
+
+
 def _inside_launcher() -> bool:
     from llmtrain.distributed import inside_launcher
 
@@ -238,5 +274,6 @@ def _inside_launcher() -> bool:
 def _train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
     from llmtrain import trainer
 
+    quiet_worker_output()
     summary = trainer.run(cfg, run_dir, resume=resume)
     return 0 if summary is not None else 1
