@@ -504,7 +504,8 @@ def _fail_known(exc: Exception) -> int:
 
     if isinstance(exc, CheckpointError):
         return _fail(exc, 2, str(exc))
-    if isinstance(exc, (TrainingDiverged, SaveFailed)):
+    if isinstance(exc, (TrainingDiverged, SaveFailed, CollectiveFailed)):
+    from llmtrain.distributed import CollectiveFailed
         return _fail(exc, 1, str(exc))
     raise exc
 

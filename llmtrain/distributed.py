@@ -7,8 +7,10 @@ a CPU machine gets DeepSpeed's `cpu` accelerator and gloo without the user setti
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +65,7 @@ def init(timeout_s: float = 600.0) -> World:
             rank=rank,
             world_size=world_size,
         )
+    _register_process(rank)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, accelerator=accelerator)
 
 
@@ -110,3 +113,95 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# ---------------------------------------------------------------- who failed: naming the rank
+#
+# A collective that fails (a peer died, or one is stuck and the gloo timeout fired) raises on the ranks
+# still waiting in it, but the error names no rank. Each rank leaves its host, pid and the step it last
+# reached in the process group's key-value store, so the ranks that notice can say which one it was.
+
+_PROCESS_KEY = "llmtrain/process/{rank}"
+_PROGRESS_KEY = "llmtrain/progress/{rank}"
+_STORE_QUERY_TIMEOUT = timedelta(seconds=5)
+_TIMEOUT_TEXT = ("timed out", "timeout")
+_LOST_TEXT = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed because another rank died or is stuck (exit code 1); names the rank."""
+
+
+def _store() -> Any:
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private helper of torch: without it, errors just name fewer ranks
+        return None
+
+
+def _register_process(rank: int) -> None:
+    store = _store()
+    if store is not None:
+        store.set(_PROCESS_KEY.format(rank=rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def note_progress(rank: int, step: int) -> None:
+    """Record that `rank` reached `step`'s first collective (one small store write per step)."""
+    store = _store()
+    if store is not None:
+        store.set(_PROGRESS_KEY.format(rank=rank), str(step))
+
+
+def collective_failure(
+    exc: BaseException, rank: int, step: int | None, timeout_s: float
+) -> CollectiveFailed | None:
+    """A CollectiveFailed naming the ranks at fault when `exc` is a failed collective, else None."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc).lower()
+    where = f"at step {step}" if step is not None else "while starting"
+    if any(t in text for t in _TIMEOUT_TEXT):
+        what = f"a collective timed out after {timeout_s:g}s {where} (--collective-timeout)"
+    elif any(t in text for t in _LOST_TEXT):
+        what = f"lost contact with another rank {where}"
+    else:
+        return None
+    culprits = _describe_peers(rank, step) or "another rank died or is stuck"
+    return CollectiveFailed(f"rank {rank}: {what}: {culprits}")
+
+
+def _describe_peers(rank: int, step: int | None) -> str:
+    try:
+        store = _store()
+        if store is None:
+            return ""
+        store = store.clone()
+        store.set_timeout(_STORE_QUERY_TIMEOUT)
+        notes = [_describe_peer(store, peer, step) for peer in range(dist.get_world_size()) if peer != rank]
+    except Exception:  # the store lives in rank 0's process: gone with it
+        return "rank 0 (which holds the job's key-value store) is unreachable"
+    return "; ".join(n for n in notes if n)
+
+
+def _describe_peer(store: Any, peer: int, step: int | None) -> str:
+    process_key, progress_key = _PROCESS_KEY.format(rank=peer), _PROGRESS_KEY.format(rank=peer)
+    if store.check([process_key]):
+        host, pid = store.get(process_key).decode().split()
+        if host == socket.gethostname() and not _alive(int(pid)):
+            return f"rank {peer} (pid {pid}) has died (crashed or killed)"
+    if step is not None:
+        reached = int(store.get(progress_key).decode()) if store.check([progress_key]) else 0
+        if reached < step:
+            return f"rank {peer} is stuck: it never reached step {step} (last at step {reached})"
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

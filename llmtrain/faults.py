@@ -1,19 +1,26 @@
 """Fault injection for the reliability tests, driven by one environment variable.
 
-LLMTRAIN_FAULTS="nan_loss@1:3,4;exit@1:5;hang@0:2" means: rank 1 sees a NaN loss at steps 3 and 4
-(0-based optimizer step being computed), rank 1 exits abruptly after finishing step 5, rank 0 blocks
-forever before step 2's collective. Unset (always, outside tests) it does nothing at all.
+LLMTRAIN_FAULTS="nan_loss@1:3,4;exit@1:5;hang@0:2;disk_full@1:3" means: rank 1 sees a NaN loss at
+steps 3 and 4 (0-based optimizer step being computed), rank 1 exits abruptly after finishing step 5,
+rank 0 blocks forever before step 2's collective, and file writes on rank 1 fail (EFBIG, through
+RLIMIT_FSIZE) from the end of step 3 to the end of the next checkpoint save (put STEP right before one). A `#first` suffix (`exit@1:5#first`)
+limits a fault to the first attempt of an elastic launcher (torchrun's TORCHELASTIC_RESTART_COUNT 0), so
+the restarted job runs clean. Unset (always, outside tests) it does nothing at all.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 ENV = "LLMTRAIN_FAULTS"
+FIRST_ATTEMPT_ONLY = "#first"
+_FULL_DISK_BYTES = 1024  # file size limit while the disk is "full": small enough for any checkpoint file
 
 
 @dataclass
@@ -21,24 +28,51 @@ class Faults:
     nan_loss_steps: set[int] = field(default_factory=set)
     exit_after_step: int | None = None
     hang_at_step: int | None = None
+    disk_full_after_steps: set[int] = field(default_factory=set)
+    _saved_fsize: tuple[int, int] | None = None
 
     def corrupt_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         if self.hang_at_step == step:
-            while True:  # a rank stuck before a collective: the others must time out, not hang
-                time.sleep(3600)
+            _hang()
         return loss * float("nan") if step in self.nan_loss_steps else loss
 
     def after_step(self, step: int) -> None:
         if self.exit_after_step == step:
             os._exit(17)  # a crash: no cleanup, no barrier, no save
+        # The checkpoint (if one is due) is written right after this step; after_save frees the disk.
+        if step in self.disk_full_after_steps and self._saved_fsize is None:
+            self._saved_fsize = resource.getrlimit(resource.RLIMIT_FSIZE)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (_FULL_DISK_BYTES, self._saved_fsize[1]))
+
+    def after_save(self) -> None:
+        if self._saved_fsize is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, self._saved_fsize)
+            self._saved_fsize = None
+
+
+def _hang() -> None:
+    """A rank stuck before a collective: the others must time out, not hang. Like a rank blocked in C
+    code, it does not finish its step on SIGTERM; the launcher's signal ends it at once."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+    while True:
+        time.sleep(3600)
+
+
+def first_attempt() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
 
 
 def from_env(rank: int) -> Faults:
     faults = Faults()
     for item in filter(None, os.environ.get(ENV, "").split(";")):
+        item, _, only = item.partition("#")
+        if only and f"#{only}" != FIRST_ATTEMPT_ONLY:
+            raise ValueError(f"{ENV}: unknown suffix #{only} (only {FIRST_ATTEMPT_ONLY})")
         kind, _, where = item.partition("@")
         fault_rank, _, steps = where.partition(":")
-        if int(fault_rank) != rank:
+        if int(fault_rank) != rank or (only and not first_attempt()):
             continue
         numbers = [int(s) for s in steps.split(",") if s]
         if kind == "nan_loss":
@@ -47,6 +81,8 @@ def from_env(rank: int) -> Faults:
             faults.exit_after_step = numbers[0]
         elif kind == "hang":
             faults.hang_at_step = numbers[0]
+        elif kind == "disk_full":
+            faults.disk_full_after_steps.update(numbers)
         else:
             raise ValueError(f"{ENV}: unknown fault {kind!r}")
     return faults

@@ -28,7 +28,7 @@ from llmtrain.data.prepare import PreparedData, ensure_prepared
 from llmtrain.distributed import World
 from llmtrain.metrics import MetricsLogger
 from llmtrain.model import Llama, build_model
-from llmtrain.stability import StabilityGuard, Verdict
+from llmtrain.stability import StabilityGuard, TrainingDiverged, Verdict
 
 
 @dataclass
@@ -71,10 +71,21 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
     """Train (or continue) the run in `run_dir`; returns the end-of-run summary."""
     world = distributed.init(cfg.launch.collective_timeout_s)
     failed = True
+    trainer: Trainer | None = None
     try:
-        summary = build_trainer(cfg, world, run_dir, resume).train()
+        trainer = build_trainer(cfg, world, run_dir, resume)
+        summary = trainer.train()
         failed = False
         return summary
+    except RuntimeError as exc:
+        if isinstance(exc, (SaveFailed, TrainingDiverged)):
+            raise
+        # A peer died or is stuck: say which one, instead of gloo's rank-less error.
+        step = trainer.counters.step + 1 if trainer is not None else None
+        named = distributed.collective_failure(exc, world.rank, step, cfg.launch.collective_timeout_s)
+        if named is None:
+            raise
+        raise named from exc
     finally:
         if failed and torch.distributed.is_initialized():
             # Another rank may be waiting in a collective for us: skip the barrier, the launcher ends it.
@@ -241,6 +252,7 @@ class Trainer:
             self.engine.step()
         loss = self._forward(last)
         losses.append(loss.detach())
+        distributed.note_progress(self.world.rank, self.counters.step + 1)  # names a stuck rank later
         mean_loss, save_due, stop = self._agree(losses)
         verdict = self.guard.judge(mean_loss, None)
         # A NaN gradient makes DeepSpeed's overflow path drop this update on every rank.
@@ -369,13 +381,14 @@ class Trainer:
         if result.ok:
             self.last_saved_step = self.counters.step
             return
-        message = f"checkpoint at step {self.counters.step} failed: {result.error}; previous checkpoint kept"
+        message = f"checkpoint at step {self.counters.step} failed: {result.error}"
         if self.cfg.checkpoint.on_save_failure == "stop":
             raise SaveFailed(message)
         self.metrics.warn(message + "; retrying at the next interval")
 
     def restore(self, tag: str, warnings: list[str]) -> None:
         state = checkpoint.load(self.engine, self.ckpt_root, tag)
+        self.faults.after_save()
         rng = state.pop("rng", None)
         if rng is not None:
             checkpoint.restore_rng(rng)
