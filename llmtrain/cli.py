@@ -184,8 +184,14 @@ def _emit(text: str, out: Path | None) -> None:
         sys.stdout.write(text)
         return
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    try:
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            f"--out {out}: cannot write it ({exc.strerror}); pass a path in an existing, writable directory"
+        ) from None
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -497,7 +498,18 @@ def from_dict(data: dict[str, Any], where: str = "config") -> TrainConfig:
 
 
 def load_run_config(path: str | Path) -> TrainConfig:
-    return from_dict(yaml.safe_load(Path(path).read_text()) or {}, where=str(path))
+    """A run's saved config.yaml; a damaged one is bad input naming the file."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"{path}: unreadable run config ({type(exc).__name__}); restore it, or start a new run"
+        ) from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: not a run config (a {type(data).__name__}); restore it, or start a new run"
+        )
+    return from_dict(data or {}, where=str(path))
 
 
 # ---------------------------------------------------------------- validation
@@ -607,6 +619,9 @@ def _validate_zero(cfg: TrainConfig) -> None:
         _require(value is None or value > 0, f"zero.{key}", f"must be positive, got {value}")
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
 def _validate_other(cfg: TrainConfig) -> None:
     c = cfg.checkpoint
     _require(c.save_every is None or c.save_every > 0, "checkpoint.save_every", "must be positive")
@@ -618,6 +633,12 @@ def _validate_other(cfg: TrainConfig) -> None:
     _require(c.keep is None or c.keep > 0, "checkpoint.keep", "must be at least 1 (or none to keep all)")
     _require(c.keep_every is None or c.keep_every > 0, "checkpoint.keep_every", "must be positive")
     _require(cfg.logging.log_every > 0, "logging.log_every", "must be positive")
+    name = cfg.logging.run_name
+    _require(
+        name is None or (_PLAIN_NAME.fullmatch(name) is not None and name not in (".", "..")),
+        "logging.run_name",
+        f"{name!r} is not a plain name; use letters, digits, '.', '_' and '-' only (no path)",
+    )
     st = cfg.stability
     _require(st.window > 1, "stability.window", "must be at least 2")
     _require(st.max_consecutive_skips > 0, "stability.max_consecutive_skips", "must be positive")

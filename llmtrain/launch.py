@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -192,19 +193,64 @@ def start_train(cfg: TrainConfig, resume_auto: bool) -> int:
     if not _inside_launcher():
         rundir.refuse_fresh_run_over_checkpoints(run_dir)
     check_launch(cfg)
+    check_inputs(cfg)
     # The global batch is fixed at the start, so a resume on another world size keeps it.
     cfg.train.global_batch = cfg.train.global_batch or cfg.train.micro_batch * _world_size(cfg)
     cfg.schedule.warmup_steps = cfg.warmup_steps
-    if needs_relaunch(cfg):
-        _write_config(run_dir, cfg)
-        return relaunch(cfg, ["train", "--config", str(run_dir / rundir.CONFIG_FILE)])
-    return _train_here(cfg, run_dir, resume=False)
+    existed = run_dir.exists()
+    with _discard_new_run_dir_on_bad_input(run_dir, existed):
+        if needs_relaunch(cfg):
+            _write_config(run_dir, cfg)
+            code = relaunch(cfg, ["train", "--config", str(run_dir / rundir.CONFIG_FILE)])
+            if code == BAD_INPUT:  # the workers rejected their input and said why
+                _discard_if_new(run_dir, existed)
+            return code
+        return _train_here(cfg, run_dir, resume=False)
+
+
+BAD_INPUT = 2  # the CLI's exit code for bad input (ConfigError), also what the workers exit with
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Cheap checks of the files a run reads, before anything is created or launched."""
+    from llmtrain.data import prepare, sources
+    from llmtrain.data import tokenizer as toks
+
+    source = cfg.data.source
+    if source and not sources.is_hub_name(source) and not prepare.is_prepared_dir(source):
+        files = sources.local_files(source, flag="--data")
+        if all(path.stat().st_size == 0 for path in files):
+            raise ConfigError(f"--data {source}: empty source (no text); point it at non-empty files")
+    if cfg.data.tokenizer:
+        tok = toks.load_tokenizer(cfg.data.tokenizer)
+        prepare.check_vocab(toks.vocab_size(tok), cfg.model.vocab_size, f"--tokenizer {cfg.data.tokenizer}")
+
+
+@contextlib.contextmanager
+def _discard_new_run_dir_on_bad_input(run_dir: Path, existed: bool) -> Iterator[None]:
+    """A run that never started because of bad input leaves no run directory a later command would
+    take for a real run."""
+    from llmtrain.checkpoint import CheckpointError
+
+    try:
+        yield
+    except (ConfigError, CheckpointError):
+        _discard_if_new(run_dir, existed)
+        raise
+
+
+def _discard_if_new(run_dir: Path, existed: bool) -> None:
+    """Remove `run_dir` if this command created it and it holds no checkpoint."""
+    from llmtrain import rundir
+
+    if not existed and not rundir.has_checkpoints(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def start_resume(run_dir: Path, overrides: dict[str, object] | None) -> int:
     """`llmtrain resume RUN_DIR`: the saved config, with only the keys in RESUME_MAY_CHANGE changed."""
+    from llmtrain import checkpoint, rundir
     from llmtrain import config as config_mod
-    from llmtrain import rundir
 
     saved = load_saved_config(run_dir)
     cfg = saved
@@ -216,6 +262,8 @@ def start_resume(run_dir: Path, overrides: dict[str, object] | None) -> int:
         raise ConfigError(
             f"{run_dir}: no checkpoint to resume from; start it with `llmtrain train --run-dir {run_dir}`"
         )
+    # A `latest` that is no tag or leads outside the run is refused here, before any process starts.
+    checkpoint.read_latest(rundir.checkpoint_root(run_dir))
     check_launch(cfg)
     if needs_relaunch(cfg):
         _write_config(run_dir, cfg)
