@@ -59,14 +59,35 @@ def init(timeout_s: float = 600.0) -> World:
     if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(
-            dist_backend="nccl" if accelerator == "cuda" else "gloo",
-            timeout=timedelta(seconds=timeout_s),
-            rank=rank,
-            world_size=world_size,
-        )
+        backend, timeout = ("nccl" if accelerator == "cuda" else "gloo"), timedelta(seconds=timeout_s)
+        store = _elastic_attempt_store(world_size, timeout)
+        if store is not None:
+            device = torch.device("cuda", local_rank) if accelerator == "cuda" else None
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
+            )
+        # Creates the process group, or (under torchrun) adopts the one just made.
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, rank=rank, world_size=world_size)
     _register_process(rank)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, accelerator=accelerator)
+
+
+def _elastic_attempt_store(world_size: int, timeout: timedelta) -> Any:
+    """torchrun's agent keeps one key-value store across restarts, and torch's process group reads
+    the peers' addresses from it: after a restart a fast rank can read the previous attempt's address
+    of a slow one and fail to connect ("Connection refused"). A prefix per attempt keeps them apart.
+    None outside torchrun (then the usual env:// rendezvous applies)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"llmtrain/attempt_{attempt}", agent_store)
 
 
 def shutdown() -> None:
