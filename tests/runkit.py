@@ -1,0 +1,180 @@
+"""Run the real `llmtrain` entry point in subprocesses, kill parts of it, read what it left behind.
+
+Shared by the fault, security and soak tests. Every run uses the debug preset, fp32 and one thread
+per process, so two runs of the same configuration produce bitwise-equal losses and weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from dist import free_port
+
+# Small and exact: fp32 (bitwise-comparable), ZeRO-1 (optimizer state sharded across the two ranks).
+BASE_FLAGS = [
+    "--preset",
+    "debug",
+    "--micro-batch",
+    "2",
+    "--seq-len",
+    "32",
+    "--log-every",
+    "1",
+    "--zero",
+    "1",
+    "--precision",
+    "fp32",
+]
+
+
+def run_env(faults: str = "", **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",  # same thread count under every launcher: same reduction order, same bits
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="offline",
+        LLMTRAIN_FAULTS=faults,
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    """A started `llmtrain` command; stdout and stderr go to one log file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started: float
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            raise AssertionError(
+                f"still running after {timeout:.0f}s; output:\n{self.output()[-4000:]}"
+            ) from None
+        return code, self.output()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def workers(self) -> dict[int, psutil.Process]:
+        """rank -> worker process (a python running llmtrain with RANK set), under this command."""
+        found: dict[int, psutil.Process] = {}
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return found
+        for child in children:
+            try:
+                cmdline, env = child.cmdline(), child.environ()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if "llmtrain" in cmdline and "RANK" in env and "deepspeed.launcher.launch" not in cmdline:
+                found[int(env["RANK"])] = child
+        return found
+
+
+def start(args: list[str], log: Path, env: dict[str, str], launcher: list[str] | None = None) -> Run:
+    """`python -m llmtrain ARGS` (or `LAUNCHER ... -m llmtrain ARGS`) in its own session."""
+    cmd = [*(launcher or [sys.executable]), "-m", "llmtrain", *args]
+    out = open(log, "ab")  # noqa: SIM115 (the child owns it)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    out.close()
+    return Run(proc, log, time.monotonic())
+
+
+def train_args(run_dir: Path, steps: int, save_every: int, *extra: str, gpus: int = 2) -> list[str]:
+    return [
+        "train",
+        *BASE_FLAGS,
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--run-dir",
+        str(run_dir),
+        "--gpus",
+        str(gpus),
+        "--master-port",
+        str(free_port()),
+        *extra,
+    ]
+
+
+def resume_args(run_dir: Path, *extra: str) -> list[str]:
+    return ["resume", str(run_dir), "--master-port", str(free_port()), *extra]
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a process and everything under it. The launchers start new sessions, so each process
+    group seen is signalled as a whole too: a worker spawned while we look is in one of them."""
+    try:
+        parent = psutil.Process(pid)
+        procs = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    groups = set()
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(proc.pid))
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
+    for group in groups - {os.getpgid(0)}:  # never our own group (pytest's)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, sig)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> float:
+    """Poll until `condition()`; returns the monotonic time it became true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return time.monotonic()
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def metrics(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return records
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {int(r["step"]): float(r["loss"]) for r in metrics(run_dir) if "loss" in r}  # type: ignore[arg-type]
+
+
+def last_logged_step(run_dir: Path) -> int:
+    return max(losses(run_dir), default=0)
+
+
+def latest(run_dir: Path) -> str | None:
+    path = run_dir / "checkpoints" / "latest"
+    return path.read_text().strip() if path.exists() else None
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
