@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,11 @@ def open_run(run_dir: str | Path, checkpoint: str | None = None) -> RunCheckpoin
     return RunCheckpoint(run_dir, cfg, tag, int(tag.removeprefix("step_")), [])
 
 
+def _print_warnings(run: RunCheckpoint) -> None:
+    for warning in run.warnings:  # e.g. `latest` damaged: an older intact checkpoint is used instead
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def _tag_from(checkpoint: str) -> str:
     """`step_00000100`, `100` -> the tag; anything else is passed on for checkpoint_dir to refuse."""
     text = checkpoint.strip()
@@ -156,6 +162,7 @@ def default_device() -> str:
 def load_run(run_dir: str | Path, checkpoint: str | None = None, device: str | None = None) -> LoadedRun:
     """Config, checkpoint weights in a fp32 model, and the run's tokenizer."""
     run = open_run(run_dir, checkpoint)
+    _print_warnings(run)
     tok_path = run_tokenizer_path(run.run_dir, run.cfg)
     tok = toks.load_tokenizer(tok_path, "tokenizer")
     if toks.vocab_size(tok) > run.cfg.model.vocab_size:
@@ -380,6 +387,7 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | None = No
 
     _check_destination(Path(out))  # before the (slow) consolidation
     run = open_run(run_dir, checkpoint)
+    _print_warnings(run)
     tok_path = run_tokenizer_path(run.run_dir, run.cfg)
     eot = toks.eot_id(toks.load_tokenizer(tok_path, "tokenizer"), tok_path, "tokenizer")
     return export_hf(load_weights(run), run.cfg.model, out, tokenizer_path=tok_path, eos_token_id=eot)

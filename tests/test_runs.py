@@ -94,3 +94,12 @@ def test_runs_of_a_missing_directory_is_one_line_exit_2(
     assert len(err) == 1 and err[0].startswith("error: ") and "no such directory" in err[0]
     assert cli.main(["runs", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"] == []
+
+
+def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_used(
+    runs_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["eval", str(runs_root / "damaged"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["checkpoint"] == f"step_{EVERY:08d}"
+    assert "warning:" in err and "optim_states.pt" in err and "falling back" in err
