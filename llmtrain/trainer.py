@@ -278,13 +278,24 @@ class Trainer:
             group["lr"] = lr
 
     def _agree(self, losses: list[torch.Tensor]) -> tuple[float, bool, bool]:
-        """One all-reduce: the global mean loss, and whether any rank wants to save or stop."""
-        local = float(torch.stack(losses).float().sum())
+        """One all-reduce and one host read: the global mean loss, and whether any rank wants to save or stop.
+
+        The guard must see the global loss before the last micro-batch's backward (to skip an update), so
+        one device-to-host synchronisation per optimizer step is inherent; all that the ranks agree on
+        rides in it. The losses stay on the device until then (no read per micro-batch), and the flags
+        are filled in by kernels, not copied from pageable host memory (which can synchronise too).
+        """
         minutes = self.cfg.checkpoint.save_every_minutes
         time_due = minutes is not None and time.monotonic() - self.last_save_time >= minutes * 60
-        total, count, save, stop = distributed.all_reduce_sum(
-            [local, float(len(losses)), float(time_due), float(self.signal.requested)], self.world.device
+        flags = (float(len(losses)), float(time_due), float(self.signal.requested))
+        device = losses[0].device
+        vector = torch.stack(
+            [torch.stack(losses).double().sum()]
+            + [torch.full((), flag, dtype=torch.float64, device=device) for flag in flags]
         )
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(vector, op=torch.distributed.ReduceOp.SUM)
+        total, count, save, stop = vector.tolist()  # the step's one synchronisation
         every = self.cfg.checkpoint.save_every
         step_due = every is not None and (self.counters.step + 1) % every == 0
         return total / count, step_due or save > 0, stop > 0
