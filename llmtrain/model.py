@@ -92,6 +92,26 @@ def document_positions_and_mask(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------- the transformer block
 
 
+def sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    """F.scaled_dot_product_attention; on CPU in bf16/fp16, computed in fp32 and cast back.
+
+    CPU's flash-attention kernel is about twice as slow in bf16 as in fp32 (forward + backward, measured
+    with bench/bench_train.py's profile on a Xeon with AMX), while GPU kernels are fastest in bf16. The
+    fp32 computation sits inside a checkpoint, so backward keeps only the low-precision q, k, v (not fp32
+    copies, nor the output) and recomputes the cheap forward kernel.
+    """
+    if q.device.type != "cpu" or q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if not torch.is_grad_enabled():
+        return _sdpa_fp32(q, k, v, **kwargs)
+    out: Tensor = checkpoint(_sdpa_fp32, q, k, v, use_reentrant=False, **kwargs)
+    return out
+
+
+def _sdpa_fp32(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention through scaled_dot_product_attention (flash / fused kernels)."""
 
@@ -116,14 +136,14 @@ class Attention(nn.Module):
         if mask is None:
             # Plain causal training: no mask tensor at all, so the flash kernel applies. enable_gqa lets
             # the kernel share each K/V head across its query group without copying K/V H/K times.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+            y = sdpa(q, k, v, is_causal=True, enable_gqa=grouped)
         else:
             # Document masking: an explicit boolean mask. The fused kernels that take a mask do not take
             # enable_gqa, so K/V are repeated here rather than falling back to the unfused math kernel.
             if grouped:
                 repeats = self.num_heads // self.num_kv_heads
                 k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = sdpa(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*Hd]
         return self.o_proj(y)  # [B, T, D]
 
