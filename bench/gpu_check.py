@@ -1,0 +1,293 @@
+"""`make gpu-check`: the prepared check for a lent GPU machine, written as one JSON report.
+
+    python -m bench.gpu_check [--report PATH] [--dry-run] [--only SECTION ...]
+
+Sections, each under its own time limit; a failing or timed-out section is recorded and the next runs,
+and the report is rewritten after every section, so whatever finished is kept:
+1. environment: torch / CUDA / DeepSpeed versions, the device and its peak dense bf16 FLOP/s;
+2. throughput_1b: the `1b` preset at ZeRO 1 in bf16 (eager and --compile), llmtrain's Trainer step on
+   random tokens, MEASURE_STEPS steps after WARMUP_STEPS: median tokens/s, MFU (FLOPs per token
+   6N + 12·L·h·s over the device's peak dense bf16 FLOP/s), torch.cuda.max_memory_allocated against
+   estimate-memory's per-GPU peak;
+3. tiny_matrix: `llmtrain train` on the tiny preset under ZeRO 0-3 in bf16 and fp16, a few steps each
+   (four runs at a time on the one GPU): exit code, first and last loss, skipped steps;
+4. gpu_tests: `pytest -m gpu tests`.
+`--dry-run` (any machine) writes the plan instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# The headline measurement first: if the time limit cuts the run short, what is lost is the cheap part.
+SECTIONS = ("environment", "throughput_1b", "tiny_matrix", "gpu_tests")
+
+TINY_STEPS = 8
+TINY_PARALLEL = 4
+TINY_TIMEOUT_S = 150
+GPU_TESTS_TIMEOUT_S = 150
+
+PRESET_1B = "1b"
+MICRO_BATCH_1B = 8
+SEQ_LEN_1B = 2048
+WARMUP_STEPS = 3
+MEASURE_STEPS = 10
+THROUGHPUT_TIMEOUT_S = {False: 150, True: 210}  # eager, --compile
+
+
+def default_report_path() -> Path:
+    out = os.environ.get("OUT")
+    return (Path(out) if out else REPO) / "gpu_check_report.json"
+
+
+# ---------------------------------------------------------------- sections
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    try:
+        import deepspeed
+
+        info["deepspeed"] = deepspeed.__version__
+    except Exception as exc:  # recorded, not fatal: the next sections say what it breaks
+        info["deepspeed_error"] = repr(exc)
+    if torch.cuda.is_available():
+        from llmtrain.metrics import peak_flops
+
+        info["device"] = torch.cuda.get_device_name(0)
+        info["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        info["peak_bf16_flops"] = peak_flops("cuda:0")
+    return info
+
+
+def _run(cmd: list[str], timeout: float, cwd: Path = REPO) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc = 124
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    return {
+        "cmd": " ".join(cmd),
+        "rc": rc,
+        "seconds": round(time.perf_counter() - started, 1),
+        "tail": out[-3000:],
+    }
+
+
+def gpu_tests() -> dict[str, Any]:
+    return _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                GPU_TESTS_TIMEOUT_S)  # fmt: skip
+
+
+def tiny_command(stage: int, precision: str, run_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "llmtrain", "train", "--preset", "tiny", "--steps", str(TINY_STEPS),
+        "--micro-batch", "8", "--seq-len", "256", "--zero", str(stage), "--precision", precision,
+        "--log-every", "2", "--warmup-steps", "2", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+
+
+def _tiny_run(stage: int, precision: str, root: Path) -> dict[str, Any]:
+    run_dir = root / f"tiny-z{stage}-{precision}"
+    result = _run(tiny_command(stage, precision, run_dir), TINY_TIMEOUT_S)
+    records = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    result.update(stage=stage, precision=precision, steps=train[-1]["step"] if train else 0)
+    if train:
+        result.update(first_loss=train[0]["loss"], last_loss=train[-1]["loss"], skipped=train[-1]["skipped"])
+    last = result.get("last_loss")
+    result["ok"] = (
+        result["rc"] == 0
+        and result["steps"] == TINY_STEPS
+        and isinstance(last, float)
+        and math.isfinite(last)
+        and last < result["first_loss"]
+    )
+    return result
+
+
+def tiny_matrix() -> dict[str, Any]:
+    runs = [(stage, precision) for precision in ("bf16", "fp16") for stage in (0, 1, 2, 3)]
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp,
+        concurrent.futures.ThreadPoolExecutor(TINY_PARALLEL) as pool,
+    ):
+        results = list(pool.map(lambda sp: _tiny_run(sp[0], sp[1], Path(tmp)), runs))
+    return {"ok": all(r["ok"] for r in results), "runs": results}
+
+
+def throughput_1b() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for compiled in (False, True):
+        name = "compile" if compiled else "eager"
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.gpu_check",
+            "--measure-1b",
+            "--compile" if compiled else "--eager",
+        ]
+        result = _run(cmd, THROUGHPUT_TIMEOUT_S[compiled])
+        lines = [line for line in result["tail"].splitlines() if line.startswith("{")]
+        if result["rc"] == 0 and lines:
+            out[name] = json.loads(lines[-1])
+        else:
+            out[name] = {"error": f"rc {result['rc']}", "tail": result["tail"]}
+    return out
+
+
+# ---------------------------------------------------------------- the 1b measurement (its own process)
+
+
+def measure_1b(compiled: bool) -> dict[str, Any]:
+    """llmtrain's Trainer step for the 1b preset on random tokens; prints and returns one JSON object."""
+    import torch
+
+    from bench.bench_train import LlmtrainRunner, Setup, _config, random_batches
+    from llmtrain.memory import estimate, setup_from_config
+    from llmtrain.metrics import flops_per_token, peak_flops
+
+    setup = Setup("llmtrain", 1, "bf16", compile=compiled, preset=PRESET_1B, seq_len=SEQ_LEN_1B,
+                  micro_batch=MICRO_BATCH_1B)  # fmt: skip
+    cfg = _config(setup)
+    runner = LlmtrainRunner(setup, Path(tempfile.mkdtemp(prefix="gpu_check-1b-")))
+    batches = random_batches(cfg.model.vocab_size, setup.micro_batch, setup.seq_len)
+    times = []
+    for i in range(WARMUP_STEPS + MEASURE_STEPS):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        runner.step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    step_s = statistics.median(times[WARMUP_STEPS:])
+    tokens_per_sec = setup.micro_batch * setup.seq_len / step_s
+    fpt = flops_per_token(cfg.model, setup.seq_len)
+    peak = peak_flops("cuda:0")
+    est = estimate(setup_from_config(cfg)).to_dict()
+    overhead = sum(t["bytes"] for t in est["per_gpu"] if t["term"] == "runtime overhead")
+    measured = torch.cuda.max_memory_allocated()
+    result = {
+        "preset": PRESET_1B,
+        "zero": 1,
+        "precision": "bf16",
+        "compile": compiled,
+        "micro_batch": setup.micro_batch,
+        "seq_len": setup.seq_len,
+        "step_times_s": [round(t, 4) for t in times],
+        "median_step_s": step_s,
+        "tokens_per_sec": tokens_per_sec,
+        "flops_per_token": fpt,
+        "peak_bf16_flops": peak,
+        "mfu": tokens_per_sec * fpt / peak if peak else None,
+        "max_memory_allocated_bytes": measured,
+        "estimated_peak_bytes": est["per_gpu_peak_bytes"],
+        "estimated_peak_without_runtime_overhead_bytes": est["per_gpu_peak_bytes"] - overhead,
+        "estimate_over_measured": (est["per_gpu_peak_bytes"] - overhead) / measured,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+# ---------------------------------------------------------------- driver
+
+
+RUNNERS = {
+    "environment": environment,
+    "gpu_tests": gpu_tests,
+    "tiny_matrix": tiny_matrix,
+    "throughput_1b": throughput_1b,
+}
+
+
+def plan() -> dict[str, Any]:
+    """What a real run would do, for --dry-run."""
+    return {
+        "environment": "versions, device name, peak bf16 FLOP/s",
+        "gpu_tests": "pytest -q -m gpu tests",
+        "tiny_matrix": [
+            " ".join(tiny_command(s, p, Path("RUN_DIR"))) for p in ("bf16", "fp16") for s in (0, 1, 2, 3)
+        ],
+        "throughput_1b": {
+            "preset": PRESET_1B,
+            "micro_batch": MICRO_BATCH_1B,
+            "seq_len": SEQ_LEN_1B,
+            "warmup_steps": WARMUP_STEPS,
+            "measured_steps": MEASURE_STEPS,
+            "variants": ["eager", "compile"],
+        },
+    }
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--report", type=Path, default=None, help="default: $OUT or the repo root")
+    parser.add_argument("--dry-run", action="store_true", help="write the plan, run nothing")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--measure-1b", action="store_true", help=argparse.SUPPRESS)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    mode.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_1b:
+        measure_1b(args.compile)
+        return 0
+    path = args.report or default_report_path()
+    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sections": args.only}
+    if args.dry_run:
+        report["dry_run"] = True
+        steps = plan()
+        report["plan"] = {name: steps[name] for name in args.only}
+        write_report(path, report)
+        print(f"plan written to {path}")
+        return 0
+    failed = False
+    for name in args.only:
+        started = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            report[name] = RUNNERS[name]()
+        except Exception as exc:  # one broken section must not cost the others
+            report[name] = {"error": repr(exc)}
+        report[name + "_seconds"] = round(time.perf_counter() - started, 1)
+        section = report[name]
+        failed |= "error" in section or section.get("ok") is False or section.get("rc", 0) != 0
+        write_report(path, report)
+        print(json.dumps(section)[:2000], flush=True)
+    print(f"report written to {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
