@@ -505,13 +505,13 @@ def main(argv: list[str] | None = None) -> int:
 def _fail_known(exc: Exception) -> int:
     """Errors of the run itself: a bad checkpoint is bad input (2); divergence or a failed save is 1."""
     from llmtrain.checkpoint import CheckpointError
+    from llmtrain.distributed import CollectiveFailed
     from llmtrain.stability import TrainingDiverged
     from llmtrain.trainer import SaveFailed
 
     if isinstance(exc, CheckpointError):
         return _fail(exc, 2, str(exc))
     if isinstance(exc, (TrainingDiverged, SaveFailed, CollectiveFailed)):
-    from llmtrain.distributed import CollectiveFailed
         return _fail(exc, 1, str(exc))
     raise exc
 

@@ -388,6 +388,7 @@ class Trainer:
             keep=self.cfg.checkpoint.keep,
             keep_every=self.cfg.checkpoint.keep_every,
         )
+        self.faults.after_save()
         self.last_save_time = time.monotonic()
         if result.ok:
             self.last_saved_step = self.counters.step
@@ -399,7 +400,6 @@ class Trainer:
 
     def restore(self, tag: str, warnings: list[str]) -> None:
         state = checkpoint.load(self.engine, self.ckpt_root, tag)
-        self.faults.after_save()
         rng = state.pop("rng", None)
         if rng is not None:
             checkpoint.restore_rng(rng)
