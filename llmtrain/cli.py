@@ -96,6 +96,15 @@ def with_train_flags(func: Callable[..., Any]) -> Callable[..., Any]:
 
     `cfg_args` is a dict for config.resolve: config_file, sets, flags (key -> raw string).
     """
+    return _with_flags(func, tuple(config_mod.FLAG_KEYS))
+
+
+def with_flags(*flags: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Like with_train_flags, with only the first-class flags that matter to the verb."""
+    return lambda func: _with_flags(func, flags)
+
+
+def _with_flags(func: Callable[..., Any], wanted: tuple[str, ...]) -> Callable[..., Any]:
     # Evaluate the verb's own (string, postponed) annotations: a preset __signature__ is taken as is, so
     # typer would otherwise never see their Annotated[..., typer.Option(...)] names and help.
     hints = typing.get_type_hints(func, include_extras=True)
@@ -105,9 +114,7 @@ def with_train_flags(func: Callable[..., Any]) -> Callable[..., Any]:
     ][1:]
     taken = {p.name for p in own}  # e.g. resume's RUN_DIR argument replaces --run-dir
     flag_params = [
-        p
-        for p in (_flag_param(flag, key) for flag, key in config_mod.FLAG_KEYS.items())
-        if p.name not in taken
+        p for p in (_flag_param(flag, config_mod.FLAG_KEYS[flag]) for flag in wanted) if p.name not in taken
     ]
     names = {p.name: config_mod.FLAG_KEYS[f"--{p.name.replace('_', '-')}"] for p in flag_params}
 
@@ -212,7 +219,18 @@ def _shape_option(flag: str, help_text: str) -> Any:
 
 
 @app.command("estimate-memory")
-@with_train_flags
+@with_flags(
+    "--preset",
+    "--zero",
+    "--offload",
+    "--nvme-path",
+    "--precision",
+    "--micro-batch",
+    "--seq-len",
+    "--activation-checkpointing",
+    "--gpus",
+    "--nodes",
+)
 def estimate_memory_cmd(
     cfg_args: dict[str, Any],
     params: Annotated[
