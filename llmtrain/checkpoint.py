@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmtrain.fsutil import fsync_dir, write_atomic
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
 STAGING = ".incoming"  # in-progress saves and conversions; never a complete checkpoint
@@ -119,25 +121,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over `path`, fsync the directory: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -253,7 +236,7 @@ def _write_rank_files(
     record = {"format": FORMAT, "rank": rank, "world_size": world_size, "client_state": client_state}
     record[RNG_KEY] = rng_state()
     try:
-        _write_atomic(state_path, json.dumps(record))
+        write_atomic(state_path, json.dumps(record))
         for path in written:
             _fsync_file(path)
     except (OSError, TypeError, ValueError) as exc:
@@ -354,10 +337,10 @@ def _commit(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": [{"path": rel, **files[rel]} for rel in sorted(files)],
         }
-        _write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1))  # also fsyncs `staging`
+        write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1))  # also fsyncs `staging`
         final = ckpt_root / tag
         _replace_dir(staging, final)
-        _write_atomic(ckpt_root / LATEST, tag + "\n")
+        write_atomic(ckpt_root / LATEST, tag + "\n")
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         return f"checkpoint {tag}: rank 0: {getattr(exc, 'filename', None) or ckpt_root}: {exc}"
@@ -369,7 +352,7 @@ def _replace_dir(src: Path, dst: Path) -> None:
     if dst.exists():
         _delete_checkpoint_dir(dst)
     os.rename(src, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
 
 
 def _delete_checkpoint_dir(path: Path) -> None:
@@ -744,7 +727,7 @@ def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:
             for rel in files
         ],
     }
-    _write_atomic(inner / MANIFEST, json.dumps(manifest, indent=1))
+    write_atomic(inner / MANIFEST, json.dumps(manifest, indent=1))
 
 
 # ---------------------------------------------------------------- consolidated weights

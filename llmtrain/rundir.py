@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.config import ConfigError, TrainConfig, dump_yaml
+from llmtrain.fsutil import write_atomic
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
@@ -52,15 +53,6 @@ def refuse_fresh_run_over_checkpoints(run_dir: Path) -> None:
             f"--run-dir {run_dir}: already holds checkpoints; continue it with `llmtrain resume {run_dir}`, "
             "pass --resume auto, or choose another --run-dir"
         )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 def write_run_files(run_dir: Path, cfg: TrainConfig, ds_config: dict[str, Any], world_size: int) -> None:

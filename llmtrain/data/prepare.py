@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import corpus, sources
 from llmtrain.data import tokenizer as toks
+from llmtrain.fsutil import fsync_dir, write_atomic
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -131,25 +132,6 @@ def read_manifest(directory: str | Path) -> Manifest | None:
 
 def is_prepared_dir(path: str | Path) -> bool:
     return (Path(path).expanduser() / MANIFEST).is_file()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ---------------------------------------------------------------- dtype and split
@@ -334,8 +316,8 @@ def prepare_data(
     manifest.documents = sum(s.documents for s in manifest.splits.values())
     manifest.tokens = sum(s.tokens for s in manifest.splits.values())
     manifest.seconds = round(time.perf_counter() - started, 3)
-    _fsync_dir(out)
-    _write_atomic(out / MANIFEST, manifest.to_json())  # the commit point
+    fsync_dir(out)
+    write_atomic(out / MANIFEST, manifest.to_json())  # the commit point
     return manifest
 
 
@@ -343,7 +325,7 @@ def _clear_prepared(out: Path) -> None:
     """Remove the manifest FIRST (so the directory stops looking complete), then old shards."""
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)
-    _fsync_dir(out)
+    fsync_dir(out)
     for old in out.glob("*.bin"):
         old.unlink()
 

@@ -1,0 +1,28 @@
+"""Crash-safe file writes shared by run files, prepared data and checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable."""
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write, fsync, rename over `path`, fsync the directory: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
