@@ -202,14 +202,6 @@ def _emit(text: str, out: Path | None) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
-def _not_yet(verb: str) -> Callable[..., None]:
-    def command(args: Annotated[list[str] | None, typer.Argument(hidden=True)] = None) -> None:
-        raise ConfigError(f"`llmtrain {verb}` is not available yet in this version")
-
-    command.__doc__ = f"(not available yet) {verb}"
-    return command
-
-
 def _size_option(flag: str, help_text: str) -> Any:
     return typer.Option(flag, help=help_text, metavar="SIZE", show_default=False)
 
