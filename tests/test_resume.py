@@ -1,0 +1,665 @@
+"""Exact resume through the real command line: `python -m llmtrain train / resume` in subprocesses.
+
+Every configuration runs one uninterrupted reference (a module-scoped fixture) that the interrupted runs
+are compared with, value by value: loss, lr and grad_norm of every step must be bitwise equal (floats
+compared with ==). World size 2 goes through `--gpus 2`, i.e. DeepSpeed's launcher in its own session.
+
+  fp32, 1 process, ZeRO 1   crash (exit fault after a save) -> `resume`
+  bf16, 1 process, ZeRO 1   SIGTERM -> saves, exits 0 -> `train --resume auto`
+  fp32, 2 processes, ZeRO 2 SIGTERM to the parent (forwarded to the workers) -> `resume`
+  bf16, 2 processes, ZeRO 2 SIGKILL of the whole process tree at seeded random moments, one inside a
+                            checkpoint write -> `train --resume auto` after each
+  2 -> 1 processes          universal conversion; same global samples, continuous loss
+  corrupt / unsafe checkpoints and bad input: one line `error: ...`, exit 2
+
+Every CLI call has a timeout and runs in its own session, so a hang kills its whole tree and fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 300  # one CLI process; the slowest (2 processes on a loaded 2-core machine) takes ~60 s
+EXACT_KEYS = ("loss", "lr", "grad_norm", "tokens", "skipped", "spikes")
+
+
+# ---------------------------------------------------------------- configurations
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    precision: str
+    zero: int
+    gpus: int
+    steps: int
+    save_every: int
+    port: int = 0
+    faults: str = ""  # in every run of the configuration, reference included
+
+    def flags(self, run_dir: Path) -> list[str]:
+        # Global batch 4: 1 process accumulates 2 micro-batches of 2, 2 processes take one each.
+        flags = ["--preset", "debug", "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32"]
+        flags += ["--log-every", "1", "--steps", str(self.steps), "--save-every", str(self.save_every)]
+        flags += ["--zero", str(self.zero), "--precision", self.precision, "--run-dir", str(run_dir)]
+        if self.gpus > 1:
+            # A port of our own: other tests may run DeepSpeed's launcher on the default one meanwhile.
+            flags += ["--gpus", str(self.gpus), "--master-port", str(self.port or _free_port())]
+        return flags
+
+
+# A NaN loss at step 3 (0-based 2): the skipped update and the guard's bookkeeping must resume exactly too.
+FP32_1 = Setup("fp32_ws1", "fp32", zero=1, gpus=1, steps=8, save_every=4, faults="nan_loss@0:2")
+BF16_1 = Setup("bf16_ws1", "bf16", zero=1, gpus=1, steps=10, save_every=5)
+# Two processes step fast: more steps leave room to land a signal or a kill mid-run.
+FP32_2 = Setup("fp32_ws2", "fp32", zero=2, gpus=2, steps=20, save_every=10)
+BF16_2 = Setup("bf16_ws2", "bf16", zero=2, gpus=2, steps=12, save_every=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- running the CLI
+
+
+def _env(faults: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "LLMTRAIN_FAULTS"}
+    env.update(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if faults:
+        env["LLMTRAIN_FAULTS"] = faults
+    return env
+
+
+class Cli:
+    """`python -m llmtrain ARGS` in its own session, output to a log file; killable as a whole tree."""
+
+    def __init__(self, args: list[str], log: Path, faults: str | None = None) -> None:
+        self.args, self.log = args, log
+        self._out = open(log, "w")  # noqa: SIM115 (closed in wait)
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmtrain", *args],
+            env=_env(faults),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float = TIMEOUT_S) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+            pytest.fail(f"llmtrain {' '.join(self.args)} timed out after {timeout} s:\n{self.tail()}")
+        finally:
+            self._out.close()
+        return rc
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def run_cli(args: Sequence[str | Path], log: Path, faults: str | None = None, expect: int | None = 0) -> Cli:
+    cli = Cli([str(a) for a in args], log, faults)
+    rc = cli.wait()
+    if expect is not None:
+        assert rc == expect, f"llmtrain {' '.join(cli.args)} exited {rc}, expected {expect}:\n{cli.tail()}"
+    return cli
+
+
+def run_quick(args: Sequence[str | Path]) -> subprocess.CompletedProcess[str]:
+    """A CLI call expected to stop early (bad input): captured stdout and stderr apart."""
+    return subprocess.run(
+        [sys.executable, "-m", "llmtrain", *[str(a) for a in args]],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        start_new_session=True,
+    )
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, every descendant and their process groups (DeepSpeed's launcher has its own)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    groups = set()
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(proc.pid))
+    groups.discard(os.getpgrp())  # never our own (pytest's) group
+    for group in groups:  # a process forked after the listing is still in its parent's group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
+def wait_until(what: str, cli: Cli, condition: Callable[[], bool], timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if not cli.running():
+            pytest.fail(f"the run ended before {what}:\n{cli.tail()}")
+        if time.monotonic() > deadline:
+            kill_tree(cli.proc.pid)
+            pytest.fail(f"no {what} within {timeout} s:\n{cli.tail()}")
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------- reading a run directory
+
+
+def metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Training records of metrics.jsonl by step (a torn last line, left by a kill, is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in record:
+            out[record["step"]] = record
+    return out
+
+
+def last_step(run_dir: Path) -> int:
+    return max(metrics(run_dir), default=0)
+
+
+def latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def step_of(tag: str) -> int:
+    return int(tag.removeprefix("step_"))
+
+
+def loader_state(run_dir: Path, tag: str) -> dict[str, Any]:
+    state = json.loads((run_dir / "checkpoints" / tag / "llmtrain_state_rank0.json").read_text())
+    return dict(state["client_state"]["loader"])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bits for floats (a skipped step logs NaN in both runs), equal values otherwise."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def assert_bitwise(reference: Path, run_dir: Path, steps: range) -> None:
+    ref, got = metrics(reference), metrics(run_dir)
+    assert sorted(got) == sorted(ref), f"logged steps differ: {sorted(got)} vs reference {sorted(ref)}"
+    for step in steps:
+        for key in EXACT_KEYS:
+            assert _same(got[step].get(key), ref[step].get(key)), (
+                f"step {step} {key}: {got[step][key]!r} after resume, {ref[step][key]!r} uninterrupted"
+            )
+
+
+def _tensors(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Every tensor in a nested dict / list, by path."""
+    import torch
+
+    if torch.is_tensor(obj):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else []
+    out: dict[str, Any] = {}
+    for key, value in items:
+        out.update(_tensors(value, f"{prefix}/{key}"))
+    return out
+
+
+def assert_same_final_state(reference: Path, run_dir: Path, step: int) -> None:
+    """The checkpoints at `step` hold bitwise-equal model and optimizer tensors (the last update shows in
+    no logged loss), and equal counters, sampler, guard and RNG states on every rank."""
+    import torch
+
+    from llmtrain.checkpoint import weights_only_loads
+
+    tag = f"step_{step:08d}"
+    ref_dir, got_dir = reference / "checkpoints" / tag, run_dir / "checkpoints" / tag
+    files = sorted(
+        p.name for p in ref_dir.iterdir() if p.suffix in (".pt", ".json") and p.name != "manifest.json"
+    )
+    assert files == sorted(
+        p.name for p in got_dir.iterdir() if p.suffix in (".pt", ".json") and p.name != "manifest.json"
+    )
+    for name in files:
+        if name.endswith(".json"):
+            ref_state, got_state = (json.loads((d / name).read_text()) for d in (ref_dir, got_dir))
+            for state in (ref_state, got_state):
+                state["client_state"].pop("config")  # holds the run directory
+            assert got_state == ref_state, f"{tag}/{name}: llmtrain state differs"
+            continue
+        with weights_only_loads():
+            ref_t = _tensors(torch.load(ref_dir / name, map_location="cpu"))
+            got_t = _tensors(torch.load(got_dir / name, map_location="cpu"))
+        assert sorted(got_t) == sorted(ref_t), f"{tag}/{name}: different tensors"
+        differ = [k for k in ref_t if got_t[k].dtype != ref_t[k].dtype or not torch.equal(got_t[k], ref_t[k])]
+        assert not differ, f"{tag}/{name}: tensors differ from the uninterrupted run: {differ[:5]}"
+
+
+def copy_run(source: Path, dest: Path, keep_up_to: int | None = None) -> Path:
+    """A copy of a run; with `keep_up_to`, as if it had crashed right after committing that step."""
+    shutil.copytree(source, dest)
+    if keep_up_to is not None:
+        root = dest / "checkpoints"
+        for tag_dir in root.glob("step_*"):
+            if step_of(tag_dir.name.removesuffix("_universal")) > keep_up_to:
+                shutil.rmtree(tag_dir)
+        (root / "latest").write_text(f"step_{keep_up_to:08d}\n")
+    return dest
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The run refused with exit 2 and exactly one `error: ...` line, no traceback; returns the line."""
+    output = result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, f"exit {result.returncode}, expected 2:\n{output[-3000:]}"
+    assert len(errors) == 1, f"expected one `error: ...` line:\n{output[-3000:]}"
+    assert "Traceback" not in output, output[-3000:]
+    return errors[0]
+
+
+def refused_in_process(capsys: pytest.CaptureFixture[str], args: Sequence[str | Path]) -> str:
+    """The CLI's entry function, in this process: for refusals that come before any process group or
+    DeepSpeed import (a subprocess would spend its time importing torch)."""
+    from llmtrain.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return one_error_line(subprocess.CompletedProcess(args, code, out, err))
+
+
+# ---------------------------------------------------------------- the uninterrupted references
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("resume")
+
+
+def _reference(root: Path, setup: Setup) -> Path:
+    run_dir = root / f"ref_{setup.name}"
+    run_cli(["train", *setup.flags(run_dir)], root / f"ref_{setup.name}.log", faults=setup.faults)
+    assert sorted(metrics(run_dir)) == list(range(1, setup.steps + 1))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ref_fp32_1(root: Path) -> Path:
+    return _reference(root, FP32_1)
+
+
+@pytest.fixture(scope="module")
+def ref_bf16_1(root: Path) -> Path:
+    return _reference(root, BF16_1)
+
+
+@pytest.fixture(scope="module")
+def ref_fp32_2(root: Path) -> Path:
+    return _reference(root, FP32_2)
+
+
+@pytest.fixture(scope="module")
+def ref_bf16_2(root: Path) -> Path:
+    return _reference(root, BF16_2)
+
+
+# ---------------------------------------------------------------- 1. a crash: exit fault, then resume
+
+
+def test_crash_then_resume_is_bitwise_exact_fp32_one_process(root: Path, ref_fp32_1: Path) -> None:
+    run_dir = root / "crash_fp32_ws1"
+    # The process dies right after computing step 6 (0-based 5): steps 1-5 logged, step 4 saved.
+    faults = f"{FP32_1.faults};exit@0:5"
+    crashed = run_cli(["train", *FP32_1.flags(run_dir)], root / "crash.log", faults=faults, expect=17)
+    assert latest(run_dir) == "step_00000004", crashed.tail()
+    assert last_step(run_dir) == 5  # the resume must drop step 5's record and compute it again
+
+    run_cli(["resume", run_dir], root / "crash_resume.log", faults=FP32_1.faults)
+    assert_bitwise(ref_fp32_1, run_dir, range(5, FP32_1.steps + 1))
+    assert latest(run_dir) == f"step_{FP32_1.steps:08d}"
+    assert_same_final_state(ref_fp32_1, run_dir, FP32_1.steps)
+    assert metrics(run_dir)[FP32_1.steps]["skipped"] == 1, "the injected NaN step was not skipped"
+
+
+# ---------------------------------------------------------------- 2. SIGTERM: finish the step, save, exit 0
+
+
+@dataclass
+class Preempted:
+    run_dir: Path
+    stop_rc: int
+    stopped_at: int  # the last step logged before exiting
+    latest_after_stop: str
+    had_checkpoint_before: bool
+    first_run: Cli
+    resumed: Cli
+
+
+def _preempt(root: Path, setup: Setup, resume_args: Callable[[Path], Sequence[str | Path]]) -> Preempted:
+    """Start with `train --resume auto`, SIGTERM the `llmtrain` process once step 2 is logged, resume."""
+    run_dir = root / f"sigterm_{setup.name}"
+    setup = replace(setup, port=_free_port())  # the resume reuses the saved port
+    had_checkpoint = (run_dir / "checkpoints").exists()
+    first = Cli(["train", "--resume", "auto", *setup.flags(run_dir)], root / f"sigterm_{setup.name}.log")
+    wait_until("step 2 was logged", first, lambda: last_step(run_dir) >= 2)
+    first.proc.send_signal(signal.SIGTERM)
+    rc = first.wait()
+    stopped_at = last_step(run_dir)
+    stopped_latest = latest(run_dir) if (run_dir / "checkpoints" / "latest").exists() else ""
+    resumed = run_cli(resume_args(run_dir), root / f"sigterm_{setup.name}_resume.log")
+    return Preempted(run_dir, rc, stopped_at, stopped_latest, had_checkpoint, first, resumed)
+
+
+@pytest.fixture(scope="module")
+def preempted_bf16_1(root: Path) -> Preempted:
+    # `train --resume auto` both times: the first starts (no checkpoint), the second resumes.
+    return _preempt(root, BF16_1, lambda run_dir: ["train", "--resume", "auto", *BF16_1.flags(run_dir)])
+
+
+@pytest.fixture(scope="module")
+def preempted_fp32_2(root: Path) -> Preempted:
+    return _preempt(root, FP32_2, lambda run_dir: ["resume", run_dir])
+
+
+@pytest.mark.parametrize("name", ["preempted_bf16_1", "preempted_fp32_2"])
+def test_sigterm_finishes_the_step_saves_and_exits_0(name: str, request: pytest.FixtureRequest) -> None:
+    run: Preempted = request.getfixturevalue(name)
+    assert run.stop_rc == 0, run.first_run.tail()
+    steps = BF16_1.steps if name.endswith("_1") else FP32_2.steps
+    assert 2 <= run.stopped_at < steps, f"stopped at {run.stopped_at}: the signal came too late"
+    assert run.latest_after_stop == f"step_{run.stopped_at:08d}", "latest must name the step it stopped at"
+
+
+def test_sigterm_resume_is_bitwise_exact_bf16_one_process(
+    preempted_bf16_1: Preempted, ref_bf16_1: Path
+) -> None:
+    run = preempted_bf16_1
+    assert_bitwise(ref_bf16_1, run.run_dir, range(run.stopped_at + 1, BF16_1.steps + 1))
+    assert_same_final_state(ref_bf16_1, run.run_dir, BF16_1.steps)
+
+
+def test_sigterm_resume_is_bitwise_exact_fp32_two_processes(
+    preempted_fp32_2: Preempted, ref_fp32_2: Path
+) -> None:
+    run = preempted_fp32_2
+    assert_bitwise(ref_fp32_2, run.run_dir, range(run.stopped_at + 1, FP32_2.steps + 1))
+    assert_same_final_state(ref_fp32_2, run.run_dir, FP32_2.steps)
+
+
+def test_resume_auto_starts_without_checkpoint_and_resumes_with_one(preempted_bf16_1: Preempted) -> None:
+    run = preempted_bf16_1
+    assert not run.had_checkpoint_before
+    assert "step 1/" in run.first_run.text()  # a fresh start
+    printed = [line.split()[1] for line in run.resumed.text().splitlines() if line.startswith("step ")]
+    assert printed[0] == f"{run.stopped_at + 1}/{BF16_1.steps}", "the second `--resume auto` must resume"
+    assert latest(run.run_dir) == f"step_{BF16_1.steps:08d}"
+
+
+# ---------------------------------------------------------------- 3. SIGKILL of a 2-process run, repeatedly
+
+
+@dataclass
+class Kill:
+    when: str  # what the kill waited for
+    step_logged: int  # last step in metrics.jsonl at the kill
+    latest: str  # `latest` after the kill ("" when none yet)
+    inside_save: bool  # this process was writing a checkpoint: it left its staging directory behind
+
+
+def _staging_since(run_dir: Path, since: float) -> list[Path]:
+    """Staging directories of saves started after `since` (older ones are leftovers of earlier kills)."""
+    found = []
+    for path in (run_dir / "checkpoints" / ".incoming").glob("step_*"):
+        with contextlib.suppress(FileNotFoundError):  # committed (renamed) meanwhile
+            if path.stat().st_ctime >= since:
+                found.append(path)
+    return found
+
+
+def _printed_step(cli: Cli) -> int:
+    """The last `step N/M` line this process printed (metrics.jsonl still holds the killed run's)."""
+    steps = [
+        int(line.split()[1].split("/")[0]) for line in cli.text().splitlines() if line.startswith("step ")
+    ]
+    return max(steps, default=0)
+
+
+def _kill_when(cli: Cli, run_dir: Path, what: str, condition: Callable[[], bool], delay: float) -> Kill:
+    wait_until(what, cli, condition)
+    time.sleep(delay)
+    kill_tree(cli.proc.pid)
+    cli.wait()
+    tag = latest(run_dir) if (run_dir / "checkpoints" / "latest").exists() else ""
+    return Kill(what, last_step(run_dir), tag, inside_save=bool(_staging_since(run_dir, cli.started)))
+
+
+@pytest.fixture(scope="module")
+def killed_bf16_2(root: Path) -> tuple[Path, list[Kill], Cli]:
+    """SIGKILL the whole process tree three times at seeded random moments, `--resume auto` after each."""
+    rng = random.Random(20240611)
+    setup = replace(BF16_2, port=_free_port())
+    run_dir = root / "killed_bf16_ws2"
+    args = ["train", "--resume", "auto", *setup.flags(run_dir)]
+    kills: list[Kill] = []
+
+    def resumed_from() -> int:
+        return step_of(kills[-1].latest) if kills and kills[-1].latest else 0
+
+    # 1: a random number of steps in, plus a random fraction of a step.
+    cli = Cli(args, root / "killed_1.log")
+    target = rng.randint(2, 5)
+    kills.append(
+        _kill_when(cli, run_dir, f"step {target}", lambda: _printed_step(cli) >= target, rng.uniform(0, 0.2))
+    )
+    # 2: inside a checkpoint write, as soon as this process starts one.
+    cli = Cli(args, root / "killed_2.log")
+    kills.append(_kill_when(cli, run_dir, "a save", lambda: bool(_staging_since(run_dir, cli.started)), 0.0))
+    # 3: a random number of steps after the restart, plus a random fraction of a step.
+    cli = Cli(args, root / "killed_3.log")
+    target = resumed_from() + rng.randint(1, 3)
+    kills.append(
+        _kill_when(cli, run_dir, f"step {target}", lambda: _printed_step(cli) >= target, rng.uniform(0, 0.2))
+    )
+    final = run_cli(args, root / "killed_final.log")
+    return run_dir, kills, final
+
+
+def test_sigkill_at_random_moments_then_resume_ends_bitwise_exact(
+    killed_bf16_2: tuple[Path, list[Kill], Cli], ref_bf16_2: Path
+) -> None:
+    run_dir, kills, _ = killed_bf16_2
+    assert any(k.inside_save for k in kills), f"no kill landed inside a checkpoint write: {kills}"
+    # The file is truncated to the checkpoint on every resume, so at the end every step is the reference's.
+    assert_bitwise(ref_bf16_2, run_dir, range(1, BF16_2.steps + 1))
+    assert latest(run_dir) == f"step_{BF16_2.steps:08d}"
+    assert_same_final_state(ref_bf16_2, run_dir, BF16_2.steps)
+
+    from llmtrain import checkpoint
+
+    complete = checkpoint.list_complete(run_dir / "checkpoints")
+    assert complete, "no complete checkpoint left"
+    for info in complete:
+        assert checkpoint.verify(info.path) == [], info.tag
+    leftovers = list((run_dir / "checkpoints" / ".incoming").glob("step_*"))
+    assert not leftovers, "a later successful run must clear leftovers of a killed save"
+
+
+# ---------------------------------------------------------------- 5. a different number of processes
+
+
+@pytest.mark.parametrize(
+    "ref_name, setup, from_step", [("ref_bf16_2", BF16_2, 8), ("ref_fp32_2", FP32_2, 10)]
+)
+def test_saved_on_two_processes_resumed_on_one(
+    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup, from_step: int
+) -> None:
+    reference: Path = request.getfixturevalue(ref_name)
+    run_dir = copy_run(reference, root / f"two_to_one_{setup.name}", keep_up_to=from_step)
+    run_cli(["resume", run_dir, "--gpus", "1"], root / f"two_to_one_{setup.name}.log")
+
+    assert (run_dir / "checkpoints" / f"step_{from_step:08d}_universal").is_dir(), "no universal conversion"
+    final = f"step_{setup.steps:08d}"
+    # The data stream went on from the same global sample: the loaders end at the same position.
+    assert loader_state(run_dir, final) == loader_state(reference, final)
+    ref, got = metrics(reference), metrics(run_dir)
+    assert sorted(got) == sorted(ref)
+    for step in range(from_step + 1, setup.steps + 1):
+        assert got[step]["lr"] == ref[step]["lr"]
+        # Same samples, other accumulation order: equal to rounding. A replayed or skipped batch differs
+        # by far more (losses of neighbouring batches differ by ~1e-2 here).
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-4), f"step {step}"
+    first = got[from_step + 1]["loss"]
+    assert abs(first - got[from_step]["loss"]) <= 0.05 * got[from_step]["loss"], "loss jumped at the resume"
+
+
+# ---------------------------------------------------------------- 6. damaged and unsafe checkpoints
+
+
+def test_truncated_shard_is_named_and_the_previous_checkpoint_used(root: Path, ref_fp32_1: Path) -> None:
+    run_dir = copy_run(ref_fp32_1, root / "truncated")
+    newest = run_dir / "checkpoints" / f"step_{FP32_1.steps:08d}"
+    shard = next(newest.glob("*optim_states.pt"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+
+    strict = one_error_line(run_quick(["resume", run_dir, "--strict"]))
+    assert str(shard) in strict and "truncated" in strict, strict
+
+    resumed = run_cli(["resume", run_dir], root / "truncated_resume.log", faults=FP32_1.faults)
+    warning = next(line for line in resumed.text().splitlines() if line.startswith("warning: "))
+    assert str(shard) in warning and "falling back" in warning, warning
+    printed = [line.split()[1] for line in resumed.text().splitlines() if line.startswith("step ")]
+    assert printed[0] == f"{FP32_1.save_every + 1}/{FP32_1.steps}", "must resume from the previous checkpoint"
+    assert_bitwise(ref_fp32_1, run_dir, range(1, FP32_1.steps + 1))
+    assert_same_final_state(ref_fp32_1, run_dir, FP32_1.steps)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "symlink"])
+def test_latest_pointing_outside_the_checkpoint_directory_is_refused(
+    root: Path, ref_fp32_1: Path, how: str
+) -> None:
+    run_dir = copy_run(ref_fp32_1, root / f"outside_{how}")
+    ckpts = run_dir / "checkpoints"
+    elsewhere = root / f"elsewhere_{how}"
+    shutil.copytree(ckpts / "step_00000004", elsewhere / "step_00000009")
+    if how == "dotdot":
+        (ckpts / "latest").write_text(f"../../{elsewhere.name}/step_00000009\n")
+    else:
+        (ckpts / "step_00000009").symlink_to(elsewhere / "step_00000009")
+        (ckpts / "latest").write_text("step_00000009\n")
+    line = one_error_line(run_quick(["resume", run_dir]))
+    assert str(ckpts / "latest") in line and "refusing" in line, line
+    assert not (run_dir / "checkpoints" / "step_00000009_universal").exists()
+
+
+class _RunsCode:
+    """A pickle that runs a shell command when loaded with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_holding_code_is_refused_and_never_runs(root: Path, ref_fp32_1: Path) -> None:
+    import hashlib
+
+    import torch
+
+    run_dir = copy_run(ref_fp32_1, root / "pickled")
+    marker = root / "payload_ran"
+    tag_dir = run_dir / "checkpoints" / f"step_{FP32_1.steps:08d}"
+    target = tag_dir / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "payload": _RunsCode(marker)}, target)
+    # The attacker also rewrites the manifest, so the file passes verification and reaches the loader.
+    manifest = json.loads((tag_dir / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == target.name:
+            entry["size"] = target.stat().st_size
+            entry["sha256"] = hashlib.sha256(target.read_bytes()).hexdigest()
+    (tag_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    line = one_error_line(run_quick(["resume", run_dir]))
+    assert str(target) in line and "system" in line, line
+    assert not marker.exists(), "the pickled payload ran"
+
+
+# ---------------------------------------------------------------- 7. bad input: one line, exit 2
+
+
+def test_resume_of_a_directory_that_is_not_a_run(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = root / "not_a_run"
+    empty.mkdir()
+    assert "not a run directory" in refused_in_process(capsys, ["resume", empty])
+    assert "no such run directory" in refused_in_process(capsys, ["resume", root / "missing"])
+
+
+def test_resume_of_a_run_without_a_complete_checkpoint(
+    root: Path, ref_fp32_1: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Only a save that never committed (its staging directory): nothing to resume.
+    run_dir = copy_run(ref_fp32_1, root / "no_checkpoint")
+    ckpts = run_dir / "checkpoints"
+    staging = ckpts / ".incoming"
+    staging.mkdir(exist_ok=True)  # saves leave it behind, empty
+    (ckpts / "step_00000004").rename(staging / "step_00000004")
+    shutil.rmtree(ckpts / f"step_{FP32_1.steps:08d}")
+    (ckpts / "latest").unlink()
+    assert "no checkpoint" in refused_in_process(capsys, ["resume", run_dir])
+
+    # A tag directory without its manifest was never committed either (found by the trainer: a process).
+    (staging / "step_00000004").rename(ckpts / "step_00000004")
+    (ckpts / "step_00000004" / "manifest.json").unlink()
+    assert "no complete checkpoint" in one_error_line(run_quick(["resume", run_dir]))
+
+
+def test_resume_with_an_incompatible_change_shows_the_diff(
+    root: Path, ref_fp32_1: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = copy_run(ref_fp32_1, root / "incompatible")
+    before = (run_dir / "config.yaml").read_text()
+    line = refused_in_process(capsys, ["resume", run_dir, "--seq-len", "64"])
+    assert "train.seq_len: 32 -> 64" in line, line
+    assert (run_dir / "config.yaml").read_text() == before, "a refused resume must not touch the run"
