@@ -14,7 +14,18 @@ VERBS = [cmd.name for cmd in app.registered_commands] + [g.name for g in app.reg
 
 
 def test_every_verb_is_registered() -> None:
-    expected = {"train", "resume", "config", "estimate-memory", "prepare-data", "tokenizer", "eval", "generate", "export", "runs"}
+    expected = {
+        "train",
+        "resume",
+        "config",
+        "estimate-memory",
+        "prepare-data",
+        "tokenizer",
+        "eval",
+        "generate",
+        "export",
+        "runs",
+    }
     assert expected <= set(VERBS)
 
 
@@ -34,7 +45,9 @@ def test_top_level_help_lists_the_verbs(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_version_through_the_console_script() -> None:
-    out = subprocess.run([sys.executable, "-m", "llmtrain", "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmtrain", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip() == f"llmtrain {__version__}"
 
 
@@ -47,7 +60,9 @@ def test_version_through_the_console_script() -> None:
         (["train", "--resume", "always"], "--resume: only `auto` is accepted"),
     ],
 )
-def test_usage_errors_are_one_line_with_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_are_one_line_with_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
