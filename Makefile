@@ -48,7 +48,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 ds-configs: $(VENV_OK)
-	$(PY) -m llmtrain.dsconfig_reference
+	$(PY) -m llmtrain.engine.dsconfig_reference
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .mypy_cache .ruff_cache

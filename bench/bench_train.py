@@ -110,8 +110,8 @@ class LlmtrainRunner:
     """llmtrain's Trainer as `llmtrain train` builds it; steps are fed the benchmark's batches."""
 
     def __init__(self, setup: Setup, run_dir: Path) -> None:
-        from llmtrain import distributed
-        from llmtrain.trainer import build_trainer
+        from llmtrain.parallel import distributed
+        from llmtrain.train.trainer import build_trainer
 
         cfg = _config(setup)
         world = distributed.init()
@@ -140,8 +140,9 @@ class HFDeepSpeedRunner:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from llmtrain import distributed, dsconfig
+        from llmtrain.engine import dsconfig
         from llmtrain.export import hf_config
+        from llmtrain.parallel import distributed
 
         cfg = _config(setup)
         world = distributed.init()
@@ -170,9 +171,9 @@ class BareLoopRunner:
     def __init__(self, setup: Setup, run_dir: Path) -> None:
         import torch
 
-        from llmtrain.distributed import select_accelerator
         from llmtrain.model import build_model
-        from llmtrain.trainer import param_groups
+        from llmtrain.parallel.distributed import select_accelerator
+        from llmtrain.train.trainer import param_groups
 
         if setup.precision != "fp32":
             raise ValueError("the bare loop is the fp32 reference")
@@ -279,7 +280,7 @@ def worker(setup: Setup) -> None:
             replies.write(json.dumps(measure_step_memory(one_step, runner.device)) + "\n")
         elif command == "quit":
             break
-    from llmtrain import distributed
+    from llmtrain.parallel import distributed
 
     distributed.shutdown()  # without it gloo aborts at exit now and then
 

@@ -72,7 +72,7 @@ def environment() -> dict[str, Any]:
     except Exception as exc:  # recorded, not fatal: the next sections say what it breaks
         info["deepspeed_error"] = repr(exc)
     if torch.cuda.is_available():
-        from llmtrain.metrics import peak_flops
+        from llmtrain.train.metrics import peak_flops
 
         info["device"] = torch.cuda.get_device_name(0)
         info["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
@@ -170,7 +170,7 @@ def measure_1b(compiled: bool) -> dict[str, Any]:
 
     from bench.bench_train import LlmtrainRunner, Setup, _config, random_batches
     from llmtrain.memory import estimate, setup_from_config
-    from llmtrain.metrics import flops_per_token, peak_flops
+    from llmtrain.train.metrics import flops_per_token, peak_flops
 
     setup = Setup("llmtrain", 1, "bf16", compile=compiled, preset=PRESET_1B, seq_len=SEQ_LEN_1B,
                   micro_batch=MICRO_BATCH_1B)  # fmt: skip

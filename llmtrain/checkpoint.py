@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmtrain.errors import BadInput
 from llmtrain.fsutil import fsync_dir, write_atomic
 
 LATEST = "latest"
@@ -49,7 +50,7 @@ UNIVERSAL_SUFFIX = "_universal"
 _HASH_CHUNK = 1 << 22
 
 
-class CheckpointError(Exception):
+class CheckpointError(BadInput):
     """A checkpoint cannot be used (missing, corrupt, unsafe, unconvertible)."""
 
 

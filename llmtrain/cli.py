@@ -24,6 +24,7 @@ from typer._click.exceptions import ClickException, UsageError  # typer vendors 
 from llmtrain import __version__
 from llmtrain import config as config_mod
 from llmtrain.config import ConfigError
+from llmtrain.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILURE, BadInput, RunFailure
 
 app = typer.Typer(
     name="llmtrain",
@@ -34,10 +35,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 _state = {"debug": False}
-
-
-class RunFailed(RuntimeError):
-    """A failure during a run (exit code 1); the checkpoint directory is left consistent."""
 
 
 def _version(value: bool) -> None:
@@ -161,8 +158,8 @@ def config_cmd(
     if list_keys:
         _print_keys()
         return
-    from llmtrain import dsconfig
-    from llmtrain.distributed import select_accelerator
+    from llmtrain.engine import dsconfig
+    from llmtrain.parallel.distributed import select_accelerator
 
     cfg = resolve_config(cfg_args)
     if resolved:
@@ -280,7 +277,7 @@ def train_cmd(
     ] = None,
 ) -> None:
     """Train a model: DeepSpeed config from the flags, Llama model, checkpoints, LR schedule."""
-    from llmtrain import launch
+    from llmtrain.run import launch
 
     if resume not in (None, "auto"):
         raise ConfigError(
@@ -299,7 +296,7 @@ def resume_cmd(
     ] = False,
 ) -> None:
     """Continue a run exactly where its last complete checkpoint stopped (same data, LR, loss curve)."""
-    from llmtrain import launch
+    from llmtrain.run import launch
 
     if strict:
         cfg_args["sets"] = [*cfg_args["sets"], "checkpoint.strict=true"]
@@ -501,29 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         print("error: aborted", file=sys.stderr)
         return 130
     except (UsageError, ClickException) as exc:
-        return _fail(exc, 2, _usage_message(exc))
-    except ConfigError as exc:
-        return _fail(exc, 2, str(exc))
-    except RunFailed as exc:
-        return _fail(exc, 1, str(exc))
-    except Exception as exc:
-        return _fail_known(exc)
+        return _fail(exc, EXIT_BAD_INPUT, _usage_message(exc))
+    except BadInput as exc:
+        return _fail(exc, EXIT_BAD_INPUT, str(exc))
+    except RunFailure as exc:
+        return _fail(exc, EXIT_RUN_FAILURE, str(exc))
     except KeyboardInterrupt as exc:
         return _fail(exc, 130, "interrupted")
-
-
-def _fail_known(exc: Exception) -> int:
-    """Errors of the run itself: a bad checkpoint is bad input (2); divergence or a failed save is 1."""
-    from llmtrain.checkpoint import CheckpointError
-    from llmtrain.distributed import CollectiveFailed
-    from llmtrain.stability import TrainingDiverged
-    from llmtrain.trainer import SaveFailed
-
-    if isinstance(exc, CheckpointError):
-        return _fail(exc, 2, str(exc))
-    if isinstance(exc, (TrainingDiverged, SaveFailed, CollectiveFailed)):
-        return _fail(exc, 1, str(exc))
-    raise exc
 
 
 def _usage_message(exc: ClickException) -> str:

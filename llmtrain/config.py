@@ -19,11 +19,12 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from llmtrain.errors import BadInput
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
 
 
-class ConfigError(ValueError):
-    """Bad user input. The CLI prints it as one line `error: ...` and exits with code 2."""
+class ConfigError(BadInput, ValueError):
+    """A bad flag, key or value. The CLI prints it as one line `error: ...` and exits with code 2."""
 
 
 def _f(default: Any, help: str) -> Any:
@@ -187,10 +188,6 @@ class TrainConfig:
     @property
     def global_batch(self) -> int:
         return self.train.global_batch or self.train.micro_batch * self.world_size
-
-    @property
-    def grad_accum(self) -> int:
-        return self.global_batch // (self.train.micro_batch * self.world_size)
 
     @property
     def tokens_per_step(self) -> int:
@@ -514,6 +511,8 @@ def load_run_config(path: str | Path) -> TrainConfig:
 
 # ---------------------------------------------------------------- validation
 
+from llmtrain.parallel import rules  # noqa: E402  (rules names flags through this module: import last)
+
 
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
@@ -521,7 +520,8 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Every check that does not need the hardware; the rest is in dsconfig.check_hardware."""
+    """Every check that does not need the hardware; what needs the accelerator is checked again by
+    dsconfig.build with it (rules.RULES holds both)."""
     _validate_model(cfg.model)
     _validate_train(cfg)
     _validate_zero(cfg)
@@ -576,15 +576,9 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(t.eval_batches > 0, "train.eval_batches", "must be positive")
     _require(cfg.launch.gpus > 0, "launch.gpus", f"must be at least 1, got {cfg.launch.gpus}")
     _require(cfg.launch.nodes > 0, "launch.nodes", f"must be at least 1, got {cfg.launch.nodes}")
-    per_step = t.micro_batch * cfg.world_size
     if t.global_batch is not None:
         _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
-        _require(
-            t.global_batch % per_step == 0,
-            "train.global_batch",
-            f"{t.global_batch} is not divisible by micro-batch {t.micro_batch} x world size "
-            f"{cfg.world_size} = {per_step}; use a multiple of {per_step}",
-        )
+    rules.batch_triple(t.micro_batch, t.global_batch, cfg.world_size)
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
@@ -599,20 +593,11 @@ def _validate_train(cfg: TrainConfig) -> None:
 def _validate_zero(cfg: TrainConfig) -> None:
     z = cfg.zero
     _require(z.stage in (0, 1, 2, 3), "zero.stage", f"invalid stage {z.stage}; valid values: 0, 1, 2, 3")
-    _require(
-        not (z.stage == 0 and z.offload != "none"),
-        "zero.offload",
-        f"offload {z.offload} needs ZeRO stage 1, 2 or 3; add --zero 2 or --zero 3",
-    )
+    rules.check(rules.Choice(z.stage, z.offload, cfg.train.precision))
     _require(
         not (z.offload == "nvme" and not z.nvme_path),
         "zero.nvme_path",
         "--offload nvme needs --nvme-path DIR on a fast local disk",
-    )
-    _require(
-        not (z.offload == "nvme" and z.stage != 3),
-        "zero.offload",
-        "NVMe offload needs ZeRO stage 3; add --zero 3",
     )
     for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
         value = getattr(z, key)

@@ -30,11 +30,11 @@ import torch
 from tokenizers import Tokenizer
 
 from llmtrain import checkpoint as ckpt
-from llmtrain import rundir
 from llmtrain.config import ConfigError, TrainConfig
 from llmtrain.data import tokenizer as toks
 from llmtrain.data.prepare import PreparedData
 from llmtrain.model import Llama, build_model
+from llmtrain.run import rundir
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def open_run(run_dir: str | Path, checkpoint: str | None = None) -> RunCheckpoin
     ConfigError (exit 2) when `run_dir` is not a run, has no complete checkpoint, or the named one is
     missing or damaged.
     """
-    from llmtrain.launch import load_saved_config
+    from llmtrain.run.launch import load_saved_config
 
     run_dir = Path(run_dir)
     cfg = load_saved_config(run_dir)
@@ -125,7 +125,7 @@ def _prepared(cfg: TrainConfig) -> PreparedData:
 
 def load_weights(run: RunCheckpoint) -> dict[str, torch.Tensor]:
     """Full fp32 weights of the chosen checkpoint, with our parameter names."""
-    from llmtrain.distributed import select_accelerator
+    from llmtrain.parallel.distributed import select_accelerator
 
     select_accelerator()  # DeepSpeed is imported below: name the accelerator instead of letting it guess
     chatter = io.StringIO()

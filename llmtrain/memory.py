@@ -23,8 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmtrain import dsconfig
 from llmtrain.config import ConfigError, ModelConfig, TrainConfig
+from llmtrain.engine import dsconfig
 from llmtrain.presets import count_parameters
 
 # llmtrain.model.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.

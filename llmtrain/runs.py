@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import checkpoint as ckpt
-from llmtrain import rundir
 from llmtrain.config import ConfigError
-from llmtrain.metrics import METRICS_FILE, read_metrics
+from llmtrain.run import rundir
+from llmtrain.train.metrics import METRICS_FILE, read_metrics
 
 
 @dataclass

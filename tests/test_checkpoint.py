@@ -38,8 +38,8 @@ NAMES = [name for name, _, _ in ROUND_TRIPS]
 def _engine(stage: int, seed: int, extra: dict[str, Any] | None = None, precision: str = "bf16") -> Any:
     import deepspeed
 
-    from llmtrain import dsconfig
     from llmtrain.config import resolve
+    from llmtrain.engine import dsconfig
     from llmtrain.model import build_model
 
     cfg = resolve(

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from llmtrain import config as c
+from llmtrain.parallel import rules
 from llmtrain.presets import PRESETS
 
 
@@ -118,7 +119,8 @@ def test_derived_numbers_are_functions_of_the_config() -> None:
             "train.seq_len": "128",
         }
     )
-    assert cfg.world_size == 2 and cfg.grad_accum == 4 and cfg.tokens_per_step == 16 * 128
+    grad_accum = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, cfg.world_size)[2]
+    assert cfg.world_size == 2 and grad_accum == 4 and cfg.tokens_per_step == 16 * 128
     cfg = c.resolve(flags={"train.tokens": "1000000", "train.micro_batch": "8", "train.seq_len": "256"})
     assert cfg.total_steps == 489  # ceil(1e6 / (8 * 256))
 

@@ -11,7 +11,8 @@ import pytest
 from dist import run_distributed
 
 from llmtrain import config as c
-from llmtrain import dsconfig
+from llmtrain.engine import dsconfig
+from llmtrain.parallel import rules
 
 REPO = Path(__file__).resolve().parent.parent
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -37,11 +38,17 @@ def test_stage3_cpu_offload_offloads_optimizer_and_parameters() -> None:
 
 def test_batch_triple_is_consistent() -> None:
     cfg = c.resolve(flags={"train.micro_batch": "2", "train.global_batch": "16"})
-    assert dsconfig.batch_triple(cfg, 2) == (16, 2, 4)
-    assert dsconfig.batch_triple(cfg, 4) == (16, 2, 2)
+    for world, expected in ((2, (16, 2, 4)), (4, (16, 2, 2))):
+        ds = dsconfig.build(cfg, world)
+        triple = (
+            ds["train_batch_size"],
+            ds["train_micro_batch_size_per_gpu"],
+            ds["gradient_accumulation_steps"],
+        )
+        assert triple == rules.batch_triple(2, 16, world) == expected
     with pytest.raises(c.ConfigError, match="not divisible by micro-batch 2 x world size 3"):
-        dsconfig.batch_triple(cfg, 3)
-    assert dsconfig.batch_triple(c.resolve(flags={"train.micro_batch": "4"}), 3) == (12, 4, 1)
+        dsconfig.build(cfg, 3)
+    assert rules.batch_triple(4, None, 3) == (12, 4, 1)
 
 
 def test_bucket_sizes_scale_with_the_model() -> None:

@@ -229,7 +229,7 @@ def test_repeated_nan_loss_on_one_rank_is_skipped_everywhere_then_stops_the_run(
 
 
 def test_faults_parse_first_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmtrain import faults
+    from llmtrain.train import faults
 
     monkeypatch.setenv(faults.ENV, "exit@1:5#first;nan_loss@1:2,3;disk_full@1:4")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)

@@ -16,7 +16,7 @@ from trained_run import EVERY, MICRO_BATCH, SEQ_LEN, STEPS, trained_run
 
 from llmtrain import cli, inference
 from llmtrain.data import tokenizer as toks
-from llmtrain.metrics import read_metrics
+from llmtrain.train.metrics import read_metrics
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # transformers loads only local directories here
 

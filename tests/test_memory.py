@@ -74,7 +74,7 @@ def test_loss_chunk_rows_match_the_model() -> None:
 
 
 def test_buffers_follow_the_generated_deepspeed_config() -> None:
-    from llmtrain import dsconfig
+    from llmtrain.engine import dsconfig
 
     cfg = resolve(flags={"preset": "7b", "zero.stage": 3, "launch.gpus": 8})
     zero = dsconfig.build(cfg, 8, accelerator="cuda")["zero_optimization"]

@@ -108,7 +108,7 @@ def held_model_state_bytes(engine: Any) -> int:
 def _measure_engines(rank: int, world: int, cases: list[tuple[int, str, str]]) -> dict[str, int]:
     import deepspeed
 
-    from llmtrain import dsconfig
+    from llmtrain.engine import dsconfig
     from llmtrain.model import build_model
 
     measured = {}

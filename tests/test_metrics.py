@@ -13,7 +13,8 @@ import pytest
 
 from llmtrain import config
 from llmtrain.config import ModelConfig
-from llmtrain.metrics import (
+from llmtrain.presets import PRESETS
+from llmtrain.train.metrics import (
     METRICS_FILE,
     WANDB_ID_FILE,
     MetricsLogger,
@@ -25,7 +26,6 @@ from llmtrain.metrics import (
     read_metrics,
     truncate_metrics,
 )
-from llmtrain.presets import PRESETS
 
 TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s", "skipped", "spikes"}
 

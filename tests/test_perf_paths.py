@@ -181,8 +181,8 @@ class HostReads(TorchFunctionMode):
 
 
 def _count_host_reads(rank: int, world_size: int, run_dir: str) -> list[dict[str, int]]:
-    from llmtrain import distributed
-    from llmtrain.trainer import build_trainer
+    from llmtrain.parallel import distributed
+    from llmtrain.train.trainer import build_trainer
 
     cfg = resolve(
         flags={

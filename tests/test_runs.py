@@ -10,7 +10,7 @@ import pytest
 from trained_run import EVERY, STEPS, trained_run
 
 from llmtrain import cli
-from llmtrain.metrics import read_metrics
+from llmtrain.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from llmtrain import config
 from llmtrain.config import ConfigError, ScheduleConfig
-from llmtrain.schedule import check_schedule, lr_at, lr_for, wsd_decay_steps
+from llmtrain.train.schedule import check_schedule, lr_at, lr_for, wsd_decay_steps
 
 PEAK = 2.0
 MIN = 0.2

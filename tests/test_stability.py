@@ -8,7 +8,7 @@ import math
 import pytest
 
 from llmtrain.config import ConfigError, StabilityConfig
-from llmtrain.stability import StabilityGuard, TrainingDiverged, Verdict
+from llmtrain.train.stability import StabilityGuard, TrainingDiverged, Verdict
 
 HISTORY = [1.0, 3.0, 1.0, 3.0]
 

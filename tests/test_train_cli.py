@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from dist import free_port
 
-from llmtrain.metrics import METRICS_FILE, WANDB_ID_FILE, read_metrics
+from llmtrain.train.metrics import METRICS_FILE, WANDB_ID_FILE, read_metrics
 
 STEPS = 6
 # fp32 so the two launch paths can be compared number for number.

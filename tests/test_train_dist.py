@@ -40,10 +40,10 @@ COMMON: dict[str, Any] = {
 
 def _build(rank: int, world_size: int, run_dir: str, flags: dict[str, Any], faults: str = "") -> Any:
     """A Trainer as `llmtrain train` builds it inside a launcher (global batch fixed as start_train does)."""
-    from llmtrain import faults as faults_mod
     from llmtrain.config import resolve
-    from llmtrain.distributed import World
-    from llmtrain.trainer import build_trainer
+    from llmtrain.parallel.distributed import World
+    from llmtrain.train import faults as faults_mod
+    from llmtrain.train.trainer import build_trainer
 
     cfg = resolve(flags={**COMMON, "launch.gpus": world_size, "run_dir": run_dir, **flags})
     cfg.train.global_batch = cfg.global_batch
@@ -57,7 +57,7 @@ def _build(rank: int, world_size: int, run_dir: str, flags: dict[str, Any], faul
 
 
 def _losses(run_dir: str) -> list[float | None]:
-    from llmtrain.metrics import METRICS_FILE, read_metrics
+    from llmtrain.train.metrics import METRICS_FILE, read_metrics
 
     return [r["loss"] for r in read_metrics(Path(run_dir) / METRICS_FILE) if "loss" in r]
 
@@ -157,7 +157,7 @@ def _snapshot_around_steps(trainer: Any) -> list[dict[str, np.ndarray]]:
 
 def _nan_skips(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Per case: the snapshot at steps 0, NAN_STEP and after it; the skip counts; rank 0's records."""
-    from llmtrain.metrics import METRICS_FILE, read_metrics
+    from llmtrain.train.metrics import METRICS_FILE, read_metrics
 
     out: dict[str, Any] = {}
     for stage, precision in NAN_CASES:

@@ -31,6 +31,7 @@ import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.data.prepare import PreparedData, TokenStream, splitmix64
+from llmtrain.parallel import rules
 
 Batch = dict[str, torch.Tensor]
 _FEISTEL_ROUNDS = 4
@@ -106,17 +107,12 @@ class TrainLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
     ) -> None:
-        if global_batch % (micro_batch * world_size):
-            raise ConfigError(
-                f"--global-batch {global_batch}: not divisible by micro-batch {micro_batch} x world size "
-                f"{world_size}; use a multiple of {micro_batch * world_size}"
-            )
+        _, _, self.grad_accum = rules.batch_triple(micro_batch, global_batch, world_size)
         self.stream = prepared.stream(split)
         self.eot = prepared.eot_id
         self.seq_len, self.micro_batch, self.global_batch = seq_len, micro_batch, global_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.document_masking, self.prefetch, self.pin_memory = document_masking, prefetch, pin_memory
-        self.grad_accum = global_batch // (micro_batch * world_size)
         self.num_sequences = num_sequences(self.stream, seq_len)
         self.steps_per_epoch = self.num_sequences // global_batch
         if self.steps_per_epoch == 0:

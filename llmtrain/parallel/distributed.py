@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmtrain.errors import RunFailure
+
 
 def select_accelerator() -> str:
     """ "cuda" when a GPU is usable, else "cpu"; exported as DS_ACCELERATOR for DeepSpeed."""
@@ -149,7 +151,7 @@ _TIMEOUT_TEXT = ("timed out", "timeout")
 _LOST_TEXT = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
 
-class CollectiveFailed(RuntimeError):
+class CollectiveFailed(RunFailure):
     """A collective failed because another rank died or is stuck (exit code 1); names the rank."""
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmtrain.config import ConfigError, StabilityConfig, flag_for
+from llmtrain.errors import RunFailure
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunFailure):
     """Too many updates in a row were skipped; the run stops with its last checkpoint intact."""
 
 

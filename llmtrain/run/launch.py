@@ -66,7 +66,7 @@ def check_launch(cfg: TrainConfig) -> None:
 
 
 def needs_relaunch(cfg: TrainConfig) -> bool:
-    from llmtrain.distributed import inside_launcher
+    from llmtrain.parallel.distributed import inside_launcher
 
     return cfg.world_size > 1 and not inside_launcher()
 
@@ -112,7 +112,7 @@ def quiet_worker_output() -> None:
         message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
         category=FutureWarning,
     )
-    from llmtrain.distributed import select_accelerator
+    from llmtrain.parallel.distributed import select_accelerator
 
     select_accelerator()  # before DeepSpeed's first import, which picks its accelerator
     from deepspeed.utils import logger
@@ -184,7 +184,7 @@ RESUME_MAY_CHANGE = (
 
 def start_train(cfg: TrainConfig, resume_auto: bool) -> int:
     """`llmtrain train`: a fresh run (or, with --resume auto, a resume when a checkpoint exists)."""
-    from llmtrain import rundir
+    from llmtrain.run import rundir
 
     run_dir = Path(cfg.run_dir) if cfg.run_dir else rundir.default_run_dir(cfg)
     cfg.run_dir = str(run_dir)
@@ -241,7 +241,7 @@ def _discard_new_run_dir_on_bad_input(run_dir: Path, existed: bool) -> Iterator[
 
 def _discard_if_new(run_dir: Path, existed: bool) -> None:
     """Remove `run_dir` if this command created it and it holds no checkpoint."""
-    from llmtrain import rundir
+    from llmtrain.run import rundir
 
     if not existed and not rundir.has_checkpoints(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -249,8 +249,9 @@ def _discard_if_new(run_dir: Path, existed: bool) -> None:
 
 def start_resume(run_dir: Path, overrides: dict[str, object] | None) -> int:
     """`llmtrain resume RUN_DIR`: the saved config, with only the keys in RESUME_MAY_CHANGE changed."""
-    from llmtrain import checkpoint, rundir
+    from llmtrain import checkpoint
     from llmtrain import config as config_mod
+    from llmtrain.run import rundir
 
     saved = load_saved_config(run_dir)
     cfg = saved
@@ -273,7 +274,7 @@ def start_resume(run_dir: Path, overrides: dict[str, object] | None) -> int:
 
 def load_saved_config(run_dir: Path) -> TrainConfig:
     from llmtrain import config as config_mod
-    from llmtrain import rundir
+    from llmtrain.run import rundir
 
     path = run_dir / rundir.CONFIG_FILE
     if not run_dir.is_dir():
@@ -300,8 +301,8 @@ def refuse_breaking_changes(saved: TrainConfig, new: TrainConfig, run_dir: Path)
 
 
 def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
-    from llmtrain import rundir
     from llmtrain.config import dump_yaml
+    from llmtrain.run import rundir
 
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_atomic(run_dir / rundir.CONFIG_FILE, dump_yaml(cfg))
@@ -314,13 +315,13 @@ def _world_size(cfg: TrainConfig) -> int:
 
 
 def _inside_launcher() -> bool:
-    from llmtrain.distributed import inside_launcher
+    from llmtrain.parallel.distributed import inside_launcher
 
     return inside_launcher()
 
 
 def _train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
-    from llmtrain import trainer
+    from llmtrain.train import trainer
 
     quiet_worker_output()
     summary = trainer.run(cfg, run_dir, resume=resume)

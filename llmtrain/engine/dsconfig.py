@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.config import ConfigError, ModelConfig, TrainConfig, flag_for
+from llmtrain.config import ModelConfig, TrainConfig
+from llmtrain.parallel import rules
 
 # Buckets below this many elements only add per-collective latency: a whole small model fits in one.
 MIN_BUCKET_ELEMENTS = 1 << 20
@@ -31,28 +32,6 @@ def bucket_sizes(model: ModelConfig) -> dict[str, int]:
     }
 
 
-def batch_triple(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
-    """(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps) for this world size."""
-    micro = cfg.train.micro_batch
-    per_step = micro * world_size
-    global_batch = cfg.train.global_batch or per_step
-    if global_batch % per_step:
-        raise ConfigError(
-            f"{flag_for('train.global_batch')}: {global_batch} is not divisible by micro-batch {micro} x "
-            f"world size {world_size} = {per_step}; use a multiple of {per_step}"
-        )
-    return global_batch, micro, global_batch // per_step
-
-
-def check_hardware(cfg: TrainConfig, accelerator: str) -> None:
-    """Checks that need to know the accelerator ("cuda" or "cpu")."""
-    if cfg.train.precision == "fp16" and accelerator != "cuda":
-        raise ConfigError(
-            f"{flag_for('train.precision')}: fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no "
-            "fp16 kernels); use --precision bf16 or fp32"
-        )
-
-
 def build(
     cfg: TrainConfig, world_size: int, accelerator: str = "cpu", load_universal: bool = False
 ) -> dict[str, Any]:
@@ -61,8 +40,8 @@ def build(
     `load_universal`: the run resumes from a checkpoint converted to DeepSpeed's universal format
     (saved at another world size).
     """
-    check_hardware(cfg, accelerator)
-    train_batch, micro, accum = batch_triple(cfg, world_size)
+    rules.check(rules.Choice(cfg.zero.stage, cfg.zero.offload, cfg.train.precision, accelerator))
+    train_batch, micro, accum = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, world_size)
     ds: dict[str, Any] = {
         "train_batch_size": train_batch,
         "train_micro_batch_size_per_gpu": micro,

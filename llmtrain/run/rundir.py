@@ -94,7 +94,7 @@ def environment(world_size: int) -> dict[str, Any]:
 
 
 def _git_sha() -> str | None:
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False

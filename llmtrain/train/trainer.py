@@ -21,14 +21,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain import checkpoint, distributed, dsconfig, faults, rundir, schedule
+from llmtrain import checkpoint
 from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.dataset import TrainLoader, val_batches
 from llmtrain.data.prepare import PreparedData, ensure_prepared
-from llmtrain.distributed import World
-from llmtrain.metrics import MetricsLogger
+from llmtrain.engine import dsconfig
+from llmtrain.errors import RunFailure
 from llmtrain.model import Llama, build_model
-from llmtrain.stability import StabilityGuard, TrainingDiverged, Verdict
+from llmtrain.parallel import distributed
+from llmtrain.parallel.distributed import World
+from llmtrain.run import rundir
+from llmtrain.train import faults, schedule
+from llmtrain.train.metrics import MetricsLogger
+from llmtrain.train.stability import StabilityGuard, Verdict
 
 
 @dataclass
@@ -49,7 +54,7 @@ class StepResult:
     stop_requested: bool
 
 
-class SaveFailed(RuntimeError):
+class SaveFailed(RunFailure):
     """A checkpoint could not be written and checkpoint.on_save_failure is `stop` (exit code 1)."""
 
 
@@ -78,7 +83,7 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
         failed = False
         return summary
     except RuntimeError as exc:
-        if isinstance(exc, (SaveFailed, TrainingDiverged)):
+        if isinstance(exc, RunFailure):
             raise
         # A peer died or is stuck: say which one, instead of gloo's rank-less error.
         step = trainer.counters.step + 1 if trainer is not None else None

@@ -1,0 +1,1 @@
+"""The training engine: DeepSpeed's config dict and engine construction."""

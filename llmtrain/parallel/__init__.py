@@ -1,0 +1,1 @@
+"""Processes and their layout: the process group, the rules of what composes with what."""

@@ -1,0 +1,96 @@
+"""What composes with what, and how a batch divides: the one home of these rules.
+
+`RULES` is the table of refused combinations of the layout's columns (ZeRO stage, offload target,
+precision, accelerator). Config validation, DeepSpeed's config and the estimator's fit search all ask
+it, so a combination is refused, or proposed, in exactly one place. A new axis (tensor, sequence or
+pipeline degree; the engine) is one more field of `Choice` and a few more rows, not a branch in each
+caller. `batch_triple` is the one division of the global batch into micro-batches and accumulation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from llmtrain.config import ConfigError, flag_for
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")  # fastest first: each moves states over a slower link every step
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One point of the layout space. `accelerator` is None where it is not known yet (config
+    validation on the machine that launches); rules about it are then left for later."""
+
+    stage: int
+    offload: str = "none"
+    precision: str = "bf16"
+    accelerator: str | None = None
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str  # the config key an error names (its flag when it has one)
+    refuses: Callable[[Choice], bool]
+    why: str  # formatted with the choice's fields
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "zero.offload",
+        lambda c: c.stage == 0 and c.offload != "none",
+        "offload {offload} needs ZeRO stage 1, 2 or 3; add --zero 2 or --zero 3",
+    ),
+    Rule(
+        "zero.offload",
+        lambda c: c.offload == "nvme" and c.stage != 3,
+        "NVMe offload needs ZeRO stage 3; add --zero 3",
+    ),
+    Rule(
+        "train.precision",
+        lambda c: c.precision == "fp16" and c.accelerator not in (None, "cuda"),
+        "fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16 kernels); use --precision bf16 or fp32",
+    ),
+)
+
+
+def refusal(choice: Choice) -> str | None:
+    """The first rule `choice` breaks, as a one-line error naming the flag; None when it composes."""
+    for rule in RULES:
+        if rule.refuses(choice):
+            return f"{flag_for(rule.key)}: {rule.why.format(**vars(choice))}"
+    return None
+
+
+def check(choice: Choice) -> None:
+    message = refusal(choice)
+    if message is not None:
+        raise ConfigError(message)
+
+
+def combinations(precision: str, accelerator: str | None = None) -> Iterator[Choice]:
+    """Every (stage, offload) that composes with `precision` on `accelerator`."""
+    for stage, offload in itertools.product(ZERO_STAGES, OFFLOADS):
+        choice = Choice(stage, offload, precision, accelerator)
+        if refusal(choice) is None:
+            yield choice
+
+
+def offload_rank(offload: str) -> int:
+    """0 for no offload, higher for slower targets: the estimator's speed order."""
+    return OFFLOADS.index(offload)
+
+
+def batch_triple(micro_batch: int, global_batch: int | None, world_size: int) -> tuple[int, int, int]:
+    """(global batch, micro-batch per rank, gradient accumulation steps); the global batch defaults to one
+    micro-batch per rank and must be a whole number of them."""
+    per_step = micro_batch * world_size
+    total = global_batch or per_step
+    if total % per_step:
+        raise ConfigError(
+            f"{flag_for('train.global_batch')}: {total} is not divisible by micro-batch {micro_batch} x "
+            f"world size {world_size} = {per_step}; use a multiple of {per_step}"
+        )
+    return total, micro_batch, total // per_step
