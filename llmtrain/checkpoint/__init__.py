@@ -1,0 +1,76 @@
+"""Crash-safe checkpoints on top of DeepSpeed: save, verify, choose, safe load, prune, universal conversion.
+
+- `commit`: every rank writes into a staging dir; the checkpoint exists only once every rank reported
+  success, every file was fsynced and checksummed into `manifest.json`, and rank 0 renamed it into place
+  and replaced `latest` atomically (the commit point). Old checkpoints are pruned after a commit.
+- `reading`: `latest`, the complete and intact checkpoints, the one to resume from (falling back past
+  damage unless strict), every path validated to stay inside the checkpoint root.
+- `safeload`: nothing read from a checkpoint may execute code: `.pt` pickles are scanned against an
+  allow-list and DeepSpeed's loads are forced weights-only; llmtrain's own state is JSON per rank.
+- `rng`: the per-rank RNG states, as JSON.
+- `universal`: conversion for resuming with a different world size.
+- `consolidate`: full fp32 weights for export, from any ZeRO stage.
+- `common`, `collective`: the on-disk names and records, file helpers, and collectives that are no-ops
+  without a process group.
+
+Callers use this package as one module: `from llmtrain import checkpoint; checkpoint.save(...)`.
+"""
+
+from llmtrain.checkpoint.commit import plan_prune, prune, save
+from llmtrain.checkpoint.common import (
+    LATEST,
+    MANIFEST,
+    RNG_KEY,
+    STAGING,
+    TAG_RE,
+    UNIVERSAL_SUFFIX,
+    CheckpointError,
+    CheckpointInfo,
+    Choice,
+    SaveResult,
+    tag_for,
+)
+from llmtrain.checkpoint.consolidate import consolidated_fp32_state_dict
+from llmtrain.checkpoint.reading import (
+    checkpoint_dir,
+    choose_checkpoint,
+    list_complete,
+    read_latest,
+    read_manifest,
+    verify,
+)
+from llmtrain.checkpoint.rng import restore_rng, rng_state
+from llmtrain.checkpoint.safeload import load, read_client_state, scan_pickles, weights_only_loads
+from llmtrain.checkpoint.universal import convert_to_universal, needs_universal
+
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "RNG_KEY",
+    "STAGING",
+    "TAG_RE",
+    "UNIVERSAL_SUFFIX",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Choice",
+    "SaveResult",
+    "checkpoint_dir",
+    "choose_checkpoint",
+    "consolidated_fp32_state_dict",
+    "convert_to_universal",
+    "list_complete",
+    "load",
+    "needs_universal",
+    "plan_prune",
+    "prune",
+    "read_client_state",
+    "read_latest",
+    "read_manifest",
+    "restore_rng",
+    "rng_state",
+    "save",
+    "scan_pickles",
+    "tag_for",
+    "verify",
+    "weights_only_loads",
+]

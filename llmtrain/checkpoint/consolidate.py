@@ -1,0 +1,120 @@
+"""Full fp32 model weights from a checkpoint of any ZeRO stage, in one process (for `llmtrain export`).
+
+DeepSpeed's zero_to_fp32 covers ZeRO-2/3 but not stage 0 (weights live in the model file, the fp32
+master copy in the optimizer) nor ZeRO-1 with DeepSpeed's BF16_Optimizer (shards without `zero_stage`):
+those two are reassembled here. Every file is pickle-scanned first and loaded weights-only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.checkpoint.common import CheckpointError
+from llmtrain.checkpoint.reading import checkpoint_dir, read_info
+from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
+
+
+def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """Full fp32 model weights from a checkpoint of any ZeRO stage (for `llmtrain export`)."""
+    path = checkpoint_dir(ckpt_root, tag)
+    info = read_info(path)
+    if info is None:
+        raise CheckpointError(f"{path}: no manifest, not a complete checkpoint")
+    scan_pickles(path)
+    with weights_only_loads():
+        if not info.partitioned:
+            return _unpartitioned_fp32(path)
+        if _is_bf16_optimizer_checkpoint(path):
+            return _sliced_fp32(path)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
+        return {k: v.float().contiguous() for k, v in state.items()}
+
+
+def _optim_files(path: Path) -> list[Path]:
+    def rank_of(p: Path) -> int:
+        return int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1))  # type: ignore[union-attr]
+
+    return sorted(path.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
+
+
+def _is_bf16_optimizer_checkpoint(path: Path) -> bool:
+    """ZeRO-1 with bf16 weights and fp32 accumulation uses DeepSpeed's BF16_Optimizer, whose shards
+    carry no `zero_stage`: zero_to_fp32 0.19.8 rejects them ("is not a zero checkpoint")."""
+    sd = torch.load(_optim_files(path)[0], map_location="cpu", weights_only=True, mmap=True)
+    return "zero_stage" not in sd["optimizer_state_dict"]
+
+
+def _sliced_fp32(path: Path) -> dict[str, torch.Tensor]:
+    """Reassemble each parameter from the per-rank fp32 partitions via their `param_slice_mappings`
+    (name -> fragment_address(start, numel) in that rank's flat group), as ds_to_universal does."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for file in _optim_files(path):
+        osd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["optimizer_state_dict"]
+        flats = osd["single_partition_of_fp32_groups"]
+        for group, mapping in enumerate(osd["param_slice_mappings"]):
+            for name, frag in mapping.items():
+                pieces.setdefault(name, []).append(flats[group].narrow(0, frag.start, frag.numel))
+    model = torch.load(_single_model_file(path), map_location="cpu", weights_only=True)
+    shapes = {name: shape for group in model["param_shapes"] for name, shape in group.items()}
+    out = {name: v.float().clone() for name, v in model["module"].items()}  # buffers, untrained params
+    for name, parts in pieces.items():
+        out[name] = torch.cat(parts).view(shapes[name]).clone()
+    for alias, source in (model.get("shared_params") or {}).items():
+        out[alias] = out[source]
+    return out
+
+
+def _single_model_file(path: Path) -> Path:
+    files = sorted(path.glob("mp_rank_*_model_states.pt"))
+    if len(files) != 1:
+        raise CheckpointError(f"{path}: expected one mp_rank_*_model_states.pt, found {len(files)}")
+    return files[0]
+
+
+def _unpartitioned_fp32(path: Path) -> dict[str, torch.Tensor]:
+    """Stage 0: the module state; in bf16 the fp32 master copy from the optimizer when it maps one-to-one."""
+    sd = torch.load(_single_model_file(path), map_location="cpu", weights_only=True)
+    module = {k: v for k, v in sd["module"].items() if k not in set(sd.get("buffer_names") or [])}
+    master = _fp32_master(sd, module)
+    out = {k: v.float() for k, v in sd["module"].items()}
+    out.update(master)
+    return out
+
+
+def _fp32_master(sd: dict[str, Any], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp32 master copy a stage-0 bf16/fp16 optimizer keeps, by name; {} when it does not map.
+
+    DeepSpeed keeps it per parameter (`fp32_groups`, unfused optimizer) or as one flat tensor per group
+    (`fp32_groups_flat`), in model.parameters() order: the module state's order, shared ones once.
+    """
+    optim = sd.get("optimizer")
+    if not isinstance(optim, dict):
+        return {}
+    if optim.get("fp32_groups"):
+        masters = [t for group in optim["fp32_groups"] for t in group]
+    elif optim.get("fp32_groups_flat") and len(optim["fp32_groups_flat"]) == 1:
+        masters = _split_flat(optim["fp32_groups_flat"][0], list(params.values()))
+    else:
+        return {}
+    names = list(params)
+    if len(masters) != len(names) or any(
+        m.shape != params[n].shape for m, n in zip(masters, names, strict=True)
+    ):
+        return {}
+    return {n: m.float().clone() for n, m in zip(names, masters, strict=True)}
+
+
+def _split_flat(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    if sum(t.numel() for t in like) != flat.numel():
+        return []
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out

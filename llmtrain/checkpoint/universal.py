@@ -1,0 +1,116 @@
+"""Resuming with a different world size: DeepSpeed's universal checkpoint, made once and committed like a tag.
+
+ZeRO-1/2/3 shard the optimizer state per rank, so a checkpoint saved by N processes cannot be loaded by M.
+DeepSpeed's ds_to_universal rewrites it per parameter; here it runs on rank 0 only, in the staging area,
+after the pickle scan and under weights-only loads, and the result gets llmtrain's state files and a
+manifest so it verifies, loads and is pruned like any other checkpoint (`step_N_universal`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from llmtrain.checkpoint.collective import broadcast
+from llmtrain.checkpoint.common import (
+    FORMAT,
+    MANIFEST,
+    STAGING,
+    STATE_FILE,
+    UNIVERSAL_SUFFIX,
+    CheckpointError,
+    CheckpointInfo,
+    files_in,
+    fsync_file,
+    replace_dir,
+    sha256,
+)
+from llmtrain.checkpoint.reading import checkpoint_dir, read_info
+from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
+from llmtrain.fsutil import write_atomic
+
+
+def needs_universal(info: CheckpointInfo, world_size: int) -> bool:
+    """True when the optimizer state is sharded per rank and the world size changed."""
+    return info.partitioned and info.world_size != world_size
+
+
+def convert_to_universal(ckpt_root: Path, tag: str, workers: int = 1) -> Path:
+    """`ckpt_root/{tag}_universal` via DeepSpeed's ds_to_universal: once, atomically, by rank 0.
+
+    Every rank must call it; others wait at a barrier. Raises CheckpointError on every rank when the
+    conversion fails. `workers` > 1 forks DeepSpeed's process pools (faster for big models).
+    """
+    ckpt_root = Path(ckpt_root)
+    out = ckpt_root / f"{tag}{UNIVERSAL_SUFFIX}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error = None
+    if rank == 0 and read_info(out) is None:
+        error = _convert(ckpt_root, tag, out, workers)
+    error = broadcast(error)
+    if error:
+        raise CheckpointError(error)
+    return out
+
+
+def _convert(ckpt_root: Path, tag: str, out: Path, workers: int) -> str | None:
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    source = checkpoint_dir(ckpt_root, tag)
+    info = read_info(source)
+    if info is None or not info.partitioned:
+        return f"{source}: not a complete checkpoint with sharded optimizer state; nothing to convert"
+    work = ckpt_root / STAGING / f"convert_{tag}"
+    shutil.rmtree(work, ignore_errors=True)
+    # ds_to_universal writes `latest_universal` next to its output folder: keep it inside `work`.
+    inner = work / out.name
+    args = Namespace(
+        input_folder=str(source),
+        output_folder=str(inner),
+        num_extract_workers=workers,
+        num_merge_workers=workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    try:
+        scan_pickles(source)
+        with weights_only_loads():
+            ds_to_universal.main(args)
+        _finish_universal(source, inner, info)
+        replace_dir(inner, out)
+    except Exception as exc:
+        return f"cannot convert {source} to a universal checkpoint for a new world size: {type(exc).__name__}: {exc}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return None
+
+
+def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:
+    """Copy the llmtrain state files and write a manifest, so the result verifies and loads like a tag."""
+    for state in source.glob(STATE_FILE.format(rank="*")):
+        shutil.copy2(state, inner / state.name)
+    files = files_in(inner)
+    for rel in files:
+        fsync_file(inner / rel)
+    manifest = {
+        "format": FORMAT,
+        "tag": inner.name,
+        "universal_of": info.tag,
+        "step": info.step,
+        "world_size": info.world_size,
+        "zero_stage": info.zero_stage,
+        "partitioned": False,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": [
+            {"path": rel, "size": (inner / rel).stat().st_size, "sha256": sha256(inner / rel)}
+            for rel in files
+        ],
+    }
+    write_atomic(inner / MANIFEST, json.dumps(manifest, indent=1))
