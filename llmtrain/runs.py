@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import checkpoint as ckpt
+from llmtrain import units
 from llmtrain.config import ConfigError
 from llmtrain.run import rundir
 from llmtrain.train.metrics import METRICS_FILE, read_metrics
@@ -113,7 +114,7 @@ def list_checkpoints(run_dir: Path, verify: bool = True) -> list[CheckpointRow]:
     rows = []
     for info in complete:
         problems = ckpt.verify(info.path) if verify else []
-        files = ckpt._read_manifest(info.path)["files"]
+        files = ckpt.read_manifest(info.path)["files"]
         rows.append(
             CheckpointRow(
                 tag=info.tag,
@@ -213,7 +214,7 @@ def _checkpoints_table(rows: list[dict[str, Any]], path: str) -> Any:
         table.add_row(
             tag,
             str(row["step"]),
-            _size(row["size_bytes"]),
+            units.human(row["size_bytes"], units.SHORT, decimals=1),
             verified,
             f"{row['zero_stage']} / {row['world_size']}",
             _when(row["created"]),
@@ -234,14 +235,3 @@ def _or_dash(value: Any) -> str:
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
-
-
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    size = float(n)
-    for unit in ("KB", "MB", "GB"):
-        size /= 1024
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-    return f"{size / 1024:.1f} TB"

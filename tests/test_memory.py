@@ -12,6 +12,7 @@ from llmtrain import memory
 from llmtrain.cli import main
 from llmtrain.config import ConfigError, resolve
 from llmtrain.presets import PRESETS, count_parameters
+from llmtrain.units import human
 
 
 def _setup(params: int | None = None, **flags: object) -> memory.Setup:
@@ -149,9 +150,9 @@ def test_table_and_json_carry_the_same_numbers(capsys: pytest.CaptureFixture[str
     assert rows and doc["verdict"]["fits"] is True
     for row in rows:
         matching = [line for line in lines if f" {row['term']} " in line]
-        assert matching and memory.human(row["bytes"]) in matching[0], row
+        assert matching and human(row["bytes"]) in matching[0], row
     assert sum(r["bytes"] for r in doc["per_node_cpu"]) == doc["per_node_cpu_bytes"]
-    assert any(memory.human(doc["per_gpu_peak_bytes"]) in line for line in lines if "total" in line)
+    assert any(human(doc["per_gpu_peak_bytes"]) in line for line in lines if "total" in line)
     assert any("Verdict: fits" in line for line in lines)
 
 

@@ -1,4 +1,4 @@
-"""The memory estimator behind `llmtrain estimate-memory`: per-GPU and per-node bytes, term by term.
+"""The estimator's arithmetic: a Setup -> per-GPU and per-node bytes, term by term (an Estimate).
 
 Every number is derived from the model shape and the DeepSpeed config dsconfig generates, following what
 DeepSpeed 0.19.8 and llmtrain.model actually allocate (checked against the real engine and against
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-from llmtrain.config import ConfigError, ModelConfig, TrainConfig
+from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine import dsconfig
+from llmtrain.errors import ConfigError
 from llmtrain.presets import count_parameters
 
 # llmtrain.model.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.
@@ -32,7 +33,7 @@ LOSS_CHUNK_ROWS = 1024
 # Per GPU, whatever the model: the CUDA context with PyTorch's kernels loaded (~0.5 GiB) plus cuBLAS and
 # NCCL workspaces. An assumption, not derived; `make gpu-check` measures the rest against it.
 RUNTIME_OVERHEAD_BYTES = 1 << 30
-# DeepSpeed defaults dsconfig does not set.
+# DeepSpeed's defaults for what dsconfig does not set (read from its dict first where it could).
 STAGE0_ALLREDUCE_BUCKET = 500_000_000  # engine allreduce_bucket_size (elements)
 NVME_PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size (elements)
 SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size (elements)
@@ -40,46 +41,13 @@ SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size (elements)
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
 FP32 = 4
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-}
+_PARTITIONED_OPTIM = "fp32 master 4 + moments 8 B/param / world size"
+_OFFLOAD_WHERE = {"none": "", "cpu": ", on the CPU", "nvme": ", on NVMe"}
 
 
-def parse_size(text: str, flag: str) -> int:
-    """'24GB' (1e9), '24GiB' (2^30), '1.5TB', '512MB', or plain bytes -> bytes; a ConfigError naming `flag`."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ConfigError(f"{flag}: cannot read {text!r} as a size; write e.g. 80GB, 24GiB or 1.5TB")
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ConfigError(f"{flag}: must be positive, got {text!r}")
-    return int(value)
-
-
-def human(n: int) -> str:
-    """Bytes in binary units, as nvidia-smi and torch report them."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def _bytes_of(precision: str) -> int:
-    return FP32 if precision == "fp32" else 2
+def _bytes_of(dtype: str) -> int:
+    """Bytes per element of "fp32", "bf16" or "fp16" (a precision or a DeepSpeed dtype name)."""
+    return FP32 if dtype == "fp32" else 2
 
 
 # ---------------------------------------------------------------- the setup being estimated
@@ -87,11 +55,21 @@ def _bytes_of(precision: str) -> int:
 
 @dataclass(frozen=True)
 class Setup:
-    """A resolved config plus the parameter count; `shape_known` is False for a bare `--params N`."""
+    """A resolved config plus the parameter count; `shape_known` is False for a bare `--params N`.
+
+    `ds` is the DeepSpeed config dsconfig writes for it: bucket sizes, swap buffers and the gradient
+    accumulation dtype are read from there, never restated. `cfg` must not change once a Setup holds it
+    (with_choice copies it).
+    """
 
     cfg: TrainConfig
     params: int
     shape_known: bool = True
+
+    @cached_property
+    def ds(self) -> dict[str, Any]:
+        """The DeepSpeed config dict, built once."""
+        return dsconfig.build(self.cfg, self.world_size, accelerator="cuda")
 
     @property
     def world_size(self) -> int:
@@ -116,17 +94,14 @@ class Setup:
 
     @property
     def grad_accum_bytes(self) -> int:
-        """dsconfig asks for fp32 gradient accumulation under bf16 with ZeRO; otherwise the model dtype."""
-        if self.precision == "bf16" and self.stage > 0:
-            return FP32
-        return self.lp_bytes
+        """Bytes per element of accumulated gradients: DeepSpeed's data_types.grad_accum_dtype, else the
+        model dtype."""
+        return _bytes_of(self.ds.get("data_types", {}).get("grad_accum_dtype", self.precision))
 
-    @property
+    @cached_property
     def zero(self) -> dict[str, Any]:
-        """The zero_optimization section dsconfig writes for this config."""
-        section: dict[str, Any] = dsconfig.build(self.cfg, self.world_size, accelerator="cuda")[
-            "zero_optimization"
-        ]
+        """The zero_optimization section, with buckets at their floor for a bare --params."""
+        section: dict[str, Any] = dict(self.ds["zero_optimization"])
         if not self.shape_known:  # buckets scale with hidden_size, which a bare --params does not give
             floor = dsconfig.bucket_sizes(ModelConfig(hidden_size=1))
             z = self.cfg.zero
@@ -252,7 +227,7 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
             notes={
                 "grads": "fp32 partition on the CPU (master .grad)"
                 + (" and an fp32 accumulation partition on the GPU" if setup.precision == "bf16" else ""),
-                "optim": "fp32 master 4 + moments 8 B/param / world size, on the CPU",
+                "optim": _PARTITIONED_OPTIM + _OFFLOAD_WHERE["cpu"],
             },
         )
     if setup.stage == 1 and setup.precision == "bf16":
@@ -263,7 +238,7 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
             optim_gpu=round(optim * part),
             notes={
                 "grads": "bf16 grads + full fp32 accumulation buffer (BF16_Optimizer does not partition them)",
-                "optim": "fp32 master 4 + moments 8 B/param / world size",
+                "optim": _PARTITIONED_OPTIM,
             },
         )
     partitioned = setup.stage == 2 or setup.cfg.zero.overlap_comm
@@ -278,35 +253,29 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
             "grads": "partition kept after each bucket's reduction"
             if partitioned
             else "full gradients until the step's reduction (stage 1 without overlap_comm)",
-            "optim": "fp32 master 4 + moments 8 B/param / world size",
+            "optim": _PARTITIONED_OPTIM,
         },
     )
 
 
 def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int) -> ModelStates:
     persistent = b * persistent_elements(setup)
-    note = {"params": "partition / world size + small persistent params whole"}
+    params, grads, states = round(b * part), round(a * part), round(optim * part)
+    notes = {
+        "params": "partition / world size + small persistent params whole",
+        "optim": _PARTITIONED_OPTIM + _OFFLOAD_WHERE[setup.offload],
+    }
     if setup.offload == "none":
-        return ModelStates(
-            params_gpu=round(b * part) + persistent,
-            grads_gpu=round(a * part),
-            optim_gpu=round(optim * part),
-            notes=note | {"optim": "fp32 master 4 + moments 8 B/param / world size"},
-        )
-    if setup.offload == "cpu":
-        return ModelStates(
-            params_gpu=persistent,
-            params_cpu=round(b * part),
-            grads_cpu=round(a * part),
-            optim_cpu=round(optim * part),
-            notes=note | {"optim": "fp32 master 4 + moments 8 B/param / world size, on the CPU"},
-        )
+        return ModelStates(params_gpu=params + persistent, grads_gpu=grads, optim_gpu=states, notes=notes)
+    cpu = setup.offload == "cpu"  # else NVMe holds parameters and optimizer states; gradients stay on the CPU
     return ModelStates(
         params_gpu=persistent,
-        params_nvme=round(b * part),
-        grads_cpu=round(a * part),
-        optim_nvme=round(optim * part),
-        notes=note | {"optim": "fp32 master 4 + moments 8 B/param / world size, on NVMe"},
+        params_cpu=params if cpu else 0,
+        params_nvme=0 if cpu else params,
+        grads_cpu=grads,
+        optim_cpu=states if cpu else 0,
+        optim_nvme=0 if cpu else states,
+        notes=notes,
     )
 
 
@@ -564,11 +533,7 @@ def _host_terms(setup: Setup, s: ModelStates) -> tuple[list[Term], list[Term]]:
         cpu.append(Term("pinned staging buffers", g * staging, "always", "bit16 partition + largest grad"))
     nvme: list[Term] = []
     if setup.offload == "nvme":
-        part = setup.params / setup.world_size
-        swap = 5 * NVME_PARAM_BUFFER_SIZE * b + 5 * FP32 * min(SUB_GROUP_SIZE, round(part))
-        cpu.append(
-            Term("pinned swap buffers", g * swap, "always", "5 param + 5 optimizer aio buffers per GPU")
-        )
+        cpu.append(_swap_buffers(setup))
         nvme = [
             Term("parameters on NVMe", g * s.params_nvme, "always", "bit16 partitions"),
             Term("optimizer states on NVMe", g * s.optim_nvme, "always", "fp32 master + moments"),
@@ -576,210 +541,13 @@ def _host_terms(setup: Setup, s: ModelStates) -> tuple[list[Term], list[Term]]:
     return [t for t in cpu if t.bytes], nvme
 
 
-# ---------------------------------------------------------------- what fits
-
-
-@dataclass(frozen=True)
-class Candidate:
-    stage: int
-    offload: str
-    micro_batch: int
-    checkpointing: str
-    gpu_bytes: int
-    cpu_bytes: int  # per node
-
-
-_OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
-_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
-
-
-def speed_key(c: Candidate) -> tuple[int, int, int, int]:
-    """Fastest first: less offload (PCIe/NVMe traffic every step dominates), then less recomputation
-    (full costs about one extra forward), then a lower stage (fewer collectives), then a larger
-    micro-batch (better GPU utilisation)."""
-    return (_OFFLOAD_RANK[c.offload], _RECOMPUTE_RANK[c.checkpointing], c.stage, -c.micro_batch)
-
-
-def fitting(setup: Setup, gpu_memory: int, cpu_memory: int | None = None) -> list[Candidate]:
-    """Every (stage, offload, checkpointing) that fits, each with the largest micro-batch up to the one
-    asked for (powers of two), fastest first (see speed_key)."""
-    batches = sorted(
-        {2**i for i in range(setup.cfg.train.micro_batch.bit_length())} | {setup.cfg.train.micro_batch}
-    )
-    modes = (
-        ("none", "selective", "full") if setup.shape_known else (setup.cfg.train.activation_checkpointing,)
-    )
-    found: list[Candidate] = []
-    for stage in range(4):
-        offloads = ("none",) if stage == 0 else ("none", "cpu", "nvme") if stage == 3 else ("none", "cpu")
-        for offload in offloads:
-            for mode in modes:
-                best = _largest_fitting(setup, stage, offload, mode, batches, gpu_memory, cpu_memory)
-                if best is not None:
-                    found.append(best)
-    return sorted(found, key=speed_key)
-
-
-def _largest_fitting(
-    setup: Setup,
-    stage: int,
-    offload: str,
-    mode: str,
-    batches: list[int],
-    gpu_memory: int,
-    cpu_memory: int | None,
-) -> Candidate | None:
-    for micro in reversed(batches):
-        est = estimate(setup.with_choice(stage, offload, micro, mode))
-        if est.gpu_peak <= gpu_memory and (cpu_memory is None or est.cpu_per_node <= cpu_memory):
-            return Candidate(stage, offload, micro, mode, est.gpu_peak, est.cpu_per_node)
-    return None
-
-
-# ---------------------------------------------------------------- inputs from the command line
-
-SHAPE_FLAGS = {
-    "--hidden-size": "hidden_size",
-    "--layers": "num_hidden_layers",
-    "--heads": "num_attention_heads",
-    "--kv-heads": "num_key_value_heads",
-    "--intermediate-size": "intermediate_size",
-    "--vocab-size": "vocab_size",
-}
-_RAW_MAX_POSITIONS = 1 << 24  # raw shapes: positions cost no memory, so never limit --seq-len
-
-
-def parse_count(text: str, flag: str) -> int:
-    """'7e9', '7_000_000_000' or '7000000000' -> a positive int; a ConfigError naming `flag` otherwise."""
-    try:
-        value = float(str(text).replace("_", ""))
-    except ValueError:
-        raise ConfigError(f"{flag}: expected a number such as 7e9, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0 or not value.is_integer():
-        raise ConfigError(f"{flag}: must be a positive whole number, got {text!r}")
-    return int(value)
-
-
-def _raw_shape(shape: dict[str, int | None]) -> dict[str, Any]:
-    """--hidden-size ... flags -> model.* config keys, checked with errors that name the flags."""
-    given = {flag: value for flag, value in shape.items() if value is not None}
-    for flag, value in given.items():
-        if value <= 0:
-            raise ConfigError(f"{flag}: must be positive, got {value}")
-    missing = [f for f in ("--hidden-size", "--layers", "--heads") if f not in given]
-    if missing:
-        raise ConfigError(f"{', '.join(missing)}: needed with the other shape flags (or use --preset)")
-    hidden, heads = given["--hidden-size"], given["--heads"]
-    kv = given.get("--kv-heads", heads)
-    if hidden % heads:
-        raise ConfigError(f"--heads: {heads} heads do not divide --hidden-size {hidden}")
-    if heads % kv:
-        raise ConfigError(f"--kv-heads: {kv} KV heads do not divide --heads {heads}")
-    # Llama's SwiGLU width when not given: 8/3 x hidden, rounded up to a multiple of 256.
-    default_mlp = 256 * math.ceil(8 * hidden / 3 / 256)
-    values = {
-        "hidden_size": hidden,
-        "num_hidden_layers": given["--layers"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv,
-        "intermediate_size": given.get("--intermediate-size", default_mlp),
-        "vocab_size": given.get("--vocab-size", 32000),
-        "tie_word_embeddings": False,
-        "max_position_embeddings": _RAW_MAX_POSITIONS,
-    }
-    return {f"model.{key}": value for key, value in values.items()}
-
-
-def resolve_setup(
-    config_file: Any,
-    sets: list[str],
-    flags: dict[str, Any],
-    params: str | None = None,
-    shape: dict[str, int | None] | None = None,
-) -> Setup:
-    """Preset/config/--set/flags as `llmtrain train` reads them, or raw numbers (--params, shape flags)."""
-    from llmtrain.config import resolve
-
-    shape = shape or {}
-    raw_shape = any(v is not None for v in shape.values())
-    count = parse_count(params, "--params") if params is not None else None
-    flags = dict(flags)
-    if raw_shape:
-        flags.update(_raw_shape(shape))
-    elif count is not None:
-        flags["model.max_position_embeddings"] = _RAW_MAX_POSITIONS
-    cfg = resolve(config_file, sets, flags)
-    shape_known = raw_shape or count is None
-    return setup_from_config(cfg, count, shape_known)
-
-
-# ---------------------------------------------------------------- verdict and output
-
-
-def report(est: Estimate, gpu_memory: int | None, cpu_memory: int | None) -> dict[str, Any]:
-    """The --json document: the breakdown, and with --gpu-memory a verdict and the fitting configurations."""
-    out = est.to_dict()
-    if gpu_memory is None:
-        return out
-    gpu_ok = est.gpu_peak <= gpu_memory
-    cpu_ok = cpu_memory is None or est.cpu_per_node <= cpu_memory
-    out["verdict"] = {
-        "fits": gpu_ok and cpu_ok,
-        "gpu_memory_bytes": gpu_memory,
-        "gpu_headroom_bytes": gpu_memory - est.gpu_peak,
-        "cpu_memory_bytes": cpu_memory,
-        "cpu_headroom_bytes": None if cpu_memory is None else cpu_memory - est.cpu_per_node,
-    }
-    out["fitting_configurations"] = [vars(c) for c in fitting(est.setup, gpu_memory, cpu_memory)]
-    return out
-
-
-def render(doc: dict[str, Any]) -> None:
-    """Print a report() document as rich tables (the numbers are the JSON's, formatted)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    s = doc["setup"]
-    title = (
-        f"{s['preset'] or format(s['params'], ',') + ' params'}: ZeRO {s['zero_stage']}, offload {s['offload']}, "
-        f"{s['precision']}, {s['gpus_per_node']} GPU(s) x {s['nodes']} node(s)"
-    )
-    for key, heading, total_key in (
-        ("per_gpu", "Per GPU", "per_gpu_peak_bytes"),
-        ("per_node_cpu", "Per node: CPU memory", "per_node_cpu_bytes"),
-        ("per_node_nvme", "Per node: NVMe", "per_node_nvme_bytes"),
-    ):
-        if not doc[key]:
-            continue
-        table = Table(title=f"{heading} — {title}" if key == "per_gpu" else heading)
-        for column in ("term", "bytes", "phase", "notes"):
-            table.add_column(column, justify="right" if column == "bytes" else "left")
-        for row in doc[key]:
-            table.add_row(row["term"], human(row["bytes"]), row["phase"], row["note"])
-        label = "peak (always + max(activations + largest transient, step))" if key == "per_gpu" else ""
-        table.add_row("total", human(doc[total_key]), "", label, style="bold")
-        console.print(table)
-    verdict = doc.get("verdict")
-    if verdict is None:
-        return
-    word = "fits" if verdict["fits"] else "does NOT fit"
-    line = f"Verdict: {word} in {human(verdict['gpu_memory_bytes'])} per GPU (headroom {human(verdict['gpu_headroom_bytes'])})"
-    if verdict["cpu_memory_bytes"] is not None:
-        line += f", CPU headroom per node {human(verdict['cpu_headroom_bytes'])}"
-    console.print(line, style="green" if verdict["fits"] else "red")
-    table = Table(title="Configurations that fit, fastest first")
-    for column in ("stage", "offload", "micro-batch", "checkpointing", "per GPU", "CPU per node"):
-        table.add_column(column)
-    for c in doc["fitting_configurations"]:
-        table.add_row(
-            str(c["stage"]),
-            c["offload"],
-            str(c["micro_batch"]),
-            c["checkpointing"],
-            human(c["gpu_bytes"]),
-            human(c["cpu_bytes"]),
-        )
-    if not doc["fitting_configurations"]:
-        table.add_row("none", "", "", "", "", "")
-    console.print(table)
+def _swap_buffers(setup: Setup) -> Term:
+    """NVMe offload's pinned aio buffers, per node: per GPU, offload_param.buffer_count buffers of
+    buffer_size elements in the model dtype and offload_optimizer.buffer_count fp32 sub-groups."""
+    z = setup.zero
+    params, optim = z["offload_param"], z["offload_optimizer"]
+    param_buffer = params.get("buffer_size", NVME_PARAM_BUFFER_SIZE) * setup.lp_bytes
+    sub_group = min(z.get("sub_group_size", SUB_GROUP_SIZE), round(setup.params / setup.world_size))
+    swap = params["buffer_count"] * param_buffer + optim["buffer_count"] * FP32 * sub_group
+    note = f"{params['buffer_count']} param + {optim['buffer_count']} optimizer aio buffers per GPU"
+    return Term("pinned swap buffers", setup.cfg.launch.gpus * swap, "always", note)
