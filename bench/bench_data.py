@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.data import corpus, prepare, tokenizer
+from llmtrain.data import corpus, prepare, shards, tokenizer
 
 SEQ_LEN = 512
 VOCAB = 8192
@@ -66,7 +66,7 @@ def packed(source: Path, tok_path: Path, work: Path) -> dict[str, float]:
         if i > 0:
             best = min(best, time.perf_counter() - started)
     assert manifest is not None
-    stream = prepare.open_prepared(work / f"prep{REPEATS}").stream("train")
+    stream = shards.open_prepared(work / f"prep{REPEATS}").stream("train")
     tokens = stream.read(0, len(stream))
     pad = tokenizer.load_tokenizer(tok_path).token_to_id(tokenizer.PAD)
     return {

@@ -91,7 +91,9 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _strip_wrapper_prefixes(name: str) -> str:
+def strip_wrapper_prefixes(name: str) -> str:
+    """A parameter name without the wrappers' prefixes: `module.` (DeepSpeed / DDP), `_orig_mod.`
+    (torch.compile), leading in any order and `._orig_mod.` inside."""
     stripped = True
     while stripped:
         stripped = False
@@ -109,7 +111,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
     ConfigError when the names or shapes do not match `cfg`, so a checkpoint exported with the wrong
     config fails loudly instead of producing a model that loads with random weights.
     """
-    ours = {_strip_wrapper_prefixes(k): v for k, v in state_dict.items()}
+    ours = {strip_wrapper_prefixes(k): v for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
     expected = _expected_shapes(cfg)

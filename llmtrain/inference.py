@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from llmtrain import checkpoint as ckpt
 from llmtrain.config import ConfigError, TrainConfig
 from llmtrain.data import tokenizer as toks
-from llmtrain.data.prepare import PreparedData
+from llmtrain.data.shards import PreparedData
+from llmtrain.export import strip_wrapper_prefixes
 from llmtrain.model import Llama, build_model
 from llmtrain.run import rundir
 
@@ -66,10 +66,8 @@ def open_run(run_dir: str | Path, checkpoint: str | None = None) -> RunCheckpoin
     ConfigError (exit 2) when `run_dir` is not a run, has no complete checkpoint, or the named one is
     missing or damaged.
     """
-    from llmtrain.run.launch import load_saved_config
-
     run_dir = Path(run_dir)
-    cfg = load_saved_config(run_dir)
+    cfg = rundir.load_saved_config(run_dir)
     root = rundir.checkpoint_root(run_dir)
     if not ckpt.list_complete(root):
         raise ConfigError(
@@ -118,7 +116,7 @@ def run_tokenizer_path(run_dir: Path, cfg: TrainConfig) -> Path:
 
 def _prepared(cfg: TrainConfig) -> PreparedData:
     """The run's prepared data, from the cache (prepared again, identically, when it was deleted)."""
-    from llmtrain.data.prepare import ensure_prepared
+    from llmtrain.data.cache import ensure_prepared
 
     return ensure_prepared(cfg.data, cfg.model.vocab_size, show_progress=False)
 
@@ -136,13 +134,7 @@ def load_weights(run: RunCheckpoint) -> dict[str, torch.Tensor]:
             state = ckpt.consolidated_fp32_state_dict(rundir.checkpoint_root(run.run_dir), run.tag)
     except ckpt.CheckpointError as exc:
         raise ConfigError(f"{run.run_dir}: {exc}") from None
-    return {_strip_wrappers(name): tensor for name, tensor in state.items()}
-
-
-def _strip_wrappers(name: str) -> str:
-    for prefix in ("module.", "_orig_mod."):
-        name = name.removeprefix(prefix)
-    return name.replace("._orig_mod.", ".")
+    return {strip_wrapper_prefixes(name): tensor for name, tensor in state.items()}
 
 
 def build_inference_model(cfg: TrainConfig, state: dict[str, torch.Tensor], device: str) -> Llama:
@@ -320,7 +312,8 @@ def _training_eval_batches(prepared: PreparedData, cfg: TrainConfig) -> int:
 
 
 def _eval_data(loaded: LoadedRun, data: str | None) -> tuple[PreparedData, str]:
-    from llmtrain.data.prepare import ensure_prepared, is_prepared_dir, open_prepared
+    from llmtrain.data.cache import ensure_prepared
+    from llmtrain.data.shards import is_prepared_dir, open_prepared
 
     cfg = loaded.run.cfg
     if data is None:
@@ -356,16 +349,12 @@ def sequence_batches(
     On the validation split these are exactly the batches training-time evaluation uses at world size 1
     (data.dataset.val_batches), so batch b of a world-size-W evaluation is one of ours too.
     """
-    from llmtrain.data.dataset import _window_batch, num_sequences
+    from llmtrain.data.dataset import consecutive_batches, num_sequences
 
     stream = prepared.stream(split)
     count = min(max_batches, num_sequences(stream, seq_len) // micro_batch)
-    return [
-        _window_batch(
-            stream, np.arange(b * micro_batch, (b + 1) * micro_batch), seq_len, prepared.eot_id, masking
-        )
-        for b in range(count)
-    ]
+    firsts = range(0, count * micro_batch, micro_batch)
+    return consecutive_batches(stream, firsts, seq_len, micro_batch, prepared.eot_id, masking)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmtrain.cli import main
-from llmtrain.data import prepare as prep
+from llmtrain.data import shards
 
 LLMTRAIN = Path(sys.executable).parent / "llmtrain"
 DOCS = [f"document number {i} says something about tokens, shards and batches." for i in range(30)]
@@ -53,7 +53,7 @@ def test_train_a_tokenizer_then_prepare_data(
         "--text-field", "body", "--val-fraction", "0.1", "--seed", "5", "--num-proc", "1",
     )  # fmt: skip
     assert code == 0, err
-    manifest = prep.read_manifest(tmp_path / "prep")
+    manifest = shards.read_manifest(tmp_path / "prep")
     assert manifest is not None and manifest.documents == 30 and manifest.splits["val"].documents == 3
     assert f"30 documents, {manifest.tokens:,} tokens (uint16) in 2 shards" in out
 

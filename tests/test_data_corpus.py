@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.config import DataConfig
-from llmtrain.data import corpus
-from llmtrain.data import prepare as prep
+from llmtrain.data import cache, corpus
 
 
 @pytest.mark.slow
@@ -26,7 +25,7 @@ def test_builtin_corpus_is_materialised_once_and_trains_without_data(
     mtime = path.stat().st_mtime_ns
     assert corpus.builtin_corpus() == path and path.stat().st_mtime_ns == mtime  # not rewritten
 
-    prepared = prep.ensure_prepared(DataConfig(num_proc=1), 512)
+    prepared = cache.ensure_prepared(DataConfig(num_proc=1), 512)
     assert prepared.manifest.source == str(path) and prepared.manifest.documents == len(docs)
     assert prepared.vocab_size <= 512 and prepared.manifest.splits["val"].documents == round(len(docs) * 0.02)
-    assert prep.ensure_prepared(DataConfig(num_proc=1), 512).reused
+    assert cache.ensure_prepared(DataConfig(num_proc=1), 512).reused

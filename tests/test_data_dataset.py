@@ -11,6 +11,7 @@ import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.data import prepare as prep
+from llmtrain.data import shards
 from llmtrain.data import tokenizer as toks
 from llmtrain.data.dataset import EpochPermutation, TrainLoader, val_batches
 
@@ -32,17 +33,17 @@ WORDS = [
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> prep.PreparedData:
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> shards.PreparedData:
     tmp = tmp_path_factory.mktemp("stream")
     rng = random.Random(0)
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(120)]
     (tmp / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     toks.train_tokenizer(docs, 300, tmp / "tok.json")
     prep.prepare_data(str(tmp / "d.jsonl"), tmp / "tok.json", tmp / "out", val_fraction=0.1, split_seed=0)
-    return prep.open_prepared(tmp / "out")
+    return shards.open_prepared(tmp / "out")
 
 
-def loader(prepared: prep.PreparedData, **kw) -> TrainLoader:
+def loader(prepared: shards.PreparedData, **kw) -> TrainLoader:
     args = {"seq_len": SEQ, "micro_batch": 2, "global_batch": 8, "seed": 3, **kw}
     return TrainLoader(prepared, **args)
 
@@ -59,7 +60,9 @@ def test_permutation_is_a_bijection_that_changes_with_seed_and_epoch() -> None:
     assert len(orders) == 4
 
 
-def test_sequences_are_packed_windows_with_shifted_labels_and_no_padding(prepared: prep.PreparedData) -> None:
+def test_sequences_are_packed_windows_with_shifted_labels_and_no_padding(
+    prepared: shards.PreparedData,
+) -> None:
     ld = loader(prepared)
     stream = prepared.stream("train")
     tokens = stream.read(0, len(stream)).astype(np.int64)
@@ -81,7 +84,7 @@ def test_sequences_are_packed_windows_with_shifted_labels_and_no_padding(prepare
     assert len(tokens) - 1 - ld.num_sequences * SEQ < SEQ
 
 
-def test_an_epoch_visits_each_sequence_once_then_reshuffles(prepared: prep.PreparedData) -> None:
+def test_an_epoch_visits_each_sequence_once_then_reshuffles(prepared: shards.PreparedData) -> None:
     ld = loader(prepared)
     epoch0 = np.concatenate([ld.rank_sequences(0, k) for k in range(ld.steps_per_epoch)])
     epoch1 = np.concatenate([ld.rank_sequences(1, k) for k in range(ld.steps_per_epoch)])
@@ -89,7 +92,7 @@ def test_an_epoch_visits_each_sequence_once_then_reshuffles(prepared: prep.Prepa
     assert not np.array_equal(epoch0, epoch1)
 
 
-def test_two_ranks_split_each_global_batch_disjointly_and_completely(prepared: prep.PreparedData) -> None:
+def test_two_ranks_split_each_global_batch_disjointly_and_completely(prepared: shards.PreparedData) -> None:
     single = loader(prepared, micro_batch=2)
     ranks = [loader(prepared, micro_batch=2, rank=r, world_size=2) for r in range(2)]
     assert ranks[0].grad_accum == 2 and single.grad_accum == 4
@@ -102,7 +105,7 @@ def test_two_ranks_split_each_global_batch_disjointly_and_completely(prepared: p
 
 @pytest.mark.parametrize("steps_before_save", [2, "epoch_end"])
 def test_state_round_trip_continues_with_the_identical_next_batches(
-    prepared: prep.PreparedData, steps_before_save: int | str
+    prepared: shards.PreparedData, steps_before_save: int | str
 ) -> None:
     ld = loader(prepared)
     n = ld.steps_per_epoch if steps_before_save == "epoch_end" else steps_before_save
@@ -120,7 +123,7 @@ def test_state_round_trip_continues_with_the_identical_next_batches(
     resumed.close()
 
 
-def test_a_run_saved_at_two_ranks_resumes_at_one_on_the_same_samples(prepared: prep.PreparedData) -> None:
+def test_a_run_saved_at_two_ranks_resumes_at_one_on_the_same_samples(prepared: shards.PreparedData) -> None:
     ranks = [loader(prepared, rank=r, world_size=2) for r in range(2)]
     for _ in range(ranks[0].steps_per_epoch - 1):  # stop just before an epoch boundary
         global_batch_tokens(ranks)
@@ -131,13 +134,13 @@ def test_a_run_saved_at_two_ranks_resumes_at_one_on_the_same_samples(prepared: p
         torch.testing.assert_close(global_batch_tokens([single]), global_batch_tokens(ranks), rtol=0, atol=0)
 
 
-def test_resume_refuses_a_different_stream(prepared: prep.PreparedData) -> None:
+def test_resume_refuses_a_different_stream(prepared: shards.PreparedData) -> None:
     state = loader(prepared).state_dict()
     with pytest.raises(ConfigError, match="seq_len=16"):
         loader(prepared, seq_len=8).load_state_dict(state)
 
 
-def test_document_ids_restart_after_every_end_of_text(prepared: prep.PreparedData) -> None:
+def test_document_ids_restart_after_every_end_of_text(prepared: shards.PreparedData) -> None:
     batch = loader(prepared, seq_len=64, document_masking=True).build_step(0, 0)[0]
     inputs, doc_ids = batch["input_ids"].numpy(), batch["doc_ids"].numpy()
     for row, ids in zip(inputs, doc_ids, strict=True):
@@ -149,7 +152,7 @@ def test_document_ids_restart_after_every_end_of_text(prepared: prep.PreparedDat
     assert doc_ids.max() > 0  # the fixture's documents are short enough to share windows
 
 
-def test_validation_batches_are_ordered_and_disjoint_between_ranks(prepared: prep.PreparedData) -> None:
+def test_validation_batches_are_ordered_and_disjoint_between_ranks(prepared: shards.PreparedData) -> None:
     stream = prepared.stream("val")
     tokens = stream.read(0, len(stream)).astype(np.int64)
     r0, r1 = (val_batches(prepared, SEQ, 2, rank=r, world_size=2, n_batches=2) for r in range(2))
@@ -162,14 +165,14 @@ def test_validation_batches_are_ordered_and_disjoint_between_ranks(prepared: pre
         val_batches(prepared, 4096, 2, n_batches=1)
 
 
-def test_a_split_smaller_than_one_global_batch_is_refused(prepared: prep.PreparedData) -> None:
+def test_a_split_smaller_than_one_global_batch_is_refused(prepared: shards.PreparedData) -> None:
     with pytest.raises(ConfigError, match="fewer than one global batch of 4096"):
         loader(prepared, global_batch=4096)
     with pytest.raises(ConfigError, match="not divisible"):
         loader(prepared, micro_batch=3, global_batch=8)
 
 
-def test_a_dropped_loader_stops_its_prefetch_thread(prepared: prep.PreparedData) -> None:
+def test_a_dropped_loader_stops_its_prefetch_thread(prepared: shards.PreparedData) -> None:
     import gc
 
     ld = loader(prepared, prefetch=1)
@@ -182,7 +185,7 @@ def test_a_dropped_loader_stops_its_prefetch_thread(prepared: prep.PreparedData)
     assert not thread.is_alive()
 
 
-def test_prefetch_restarts_after_close_without_skipping(prepared: prep.PreparedData) -> None:
+def test_prefetch_restarts_after_close_without_skipping(prepared: shards.PreparedData) -> None:
     ld, ref = loader(prepared), loader(prepared)
     first = global_batch_tokens([ld])
     ld.close()  # the thread had built steps ahead; they are discarded, not skipped

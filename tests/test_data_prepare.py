@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmtrain.config import ConfigError, DataConfig
+from llmtrain.data import cache, shards
 from llmtrain.data import prepare as prep
 from llmtrain.data import tokenizer as toks
 
@@ -75,7 +76,7 @@ def test_shards_hold_exactly_the_tokenizer_output_plus_one_eot_per_document(
 ) -> None:
     path, docs = source
     m = prep.prepare_data(str(path), tok_path, tmp_path / "out", val_fraction=0.2, split_seed=7)
-    prepared = prep.open_prepared(tmp_path / "out")
+    prepared = shards.open_prepared(tmp_path / "out")
     tok = toks.load_tokenizer(tok_path)
     is_val = prep.split_mask(len(docs), 0.2, 7)
     assert is_val.sum() == 12
@@ -101,8 +102,8 @@ def test_worker_processes_write_the_same_stream_as_one_process(
     )
     assert len(m.splits["train"].shards) > 1 and m.dtype == "uint32"
     for split in ("train", "val"):
-        a = prep.open_prepared(tmp_path / "one").stream(split)
-        b = prep.open_prepared(tmp_path / "two").stream(split)
+        a = shards.open_prepared(tmp_path / "one").stream(split)
+        b = shards.open_prepared(tmp_path / "two").stream(split)
         np.testing.assert_array_equal(a.read(0, len(a)), b.read(0, len(b)))
 
 
@@ -113,12 +114,12 @@ def test_split_is_deterministic_from_the_seed() -> None:
 
 
 def test_token_dtype_choice_and_refusal() -> None:
-    assert prep.token_dtype(65536) == "uint16" and prep.token_dtype(65537) == "uint32"
-    assert prep.token_dtype(50000, "uint32") == "uint32"
+    assert shards.token_dtype(65536) == "uint16" and shards.token_dtype(65537) == "uint32"
+    assert shards.token_dtype(50000, "uint32") == "uint32"
     with pytest.raises(
         ConfigError, match="--dtype uint16: holds token ids below 65536, but the tokenizer has 70000"
     ):
-        prep.token_dtype(70000, "uint16")
+        shards.token_dtype(70000, "uint16")
 
 
 def test_an_interrupted_preparation_never_looks_complete(
@@ -127,14 +128,14 @@ def test_an_interrupted_preparation_never_looks_complete(
     path, _ = source
     out = tmp_path / "out"
     m = prep.prepare_data(str(path), tok_path, out)
-    assert prep.read_manifest(out) == m
+    assert shards.read_manifest(out) == m
     shard = out / m.splits["train"].shards[0].file
     shard.write_bytes(shard.read_bytes()[:-2])  # a shard cut short
-    assert prep.read_manifest(out) is None
+    assert shards.read_manifest(out) is None
     (out / "manifest.json").unlink()  # killed before the commit
-    assert prep.read_manifest(out) is None
+    assert shards.read_manifest(out) is None
     with pytest.raises(ConfigError, match="not a complete prepared dataset"):
-        prep.open_prepared(out)
+        shards.open_prepared(out)
 
 
 def _cfg(tmp_path: Path, source: Path, tokenizer: Path | None, **kw) -> DataConfig:
@@ -150,19 +151,19 @@ def test_cache_reuses_unchanged_data_and_rebuilds_on_any_change(
     tmp_path: Path, source: tuple[Path, list[str]], tok_path: Path
 ) -> None:
     path, docs = source
-    first = prep.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
-    again = prep.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
+    first = cache.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
+    again = cache.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
     assert not first.reused and again.reused and again.path == first.path
 
     other_tok = toks.train_tokenizer(make_documents(40, 2), 300, tmp_path / "other.json")
-    with_other = prep.ensure_prepared(_cfg(tmp_path, path, tmp_path / "other.json"), 512)
+    with_other = cache.ensure_prepared(_cfg(tmp_path, path, tmp_path / "other.json"), 512)
     assert not with_other.reused and with_other.manifest.tokenizer_hash == toks.tokenizer_hash(other_tok)
 
-    resplit = prep.ensure_prepared(_cfg(tmp_path, path, tok_path, split_seed=99), 512)
+    resplit = cache.ensure_prepared(_cfg(tmp_path, path, tok_path, split_seed=99), 512)
     assert not resplit.reused and resplit.path != first.path
 
     write_jsonl(path, [*docs, "one more document"])  # the source changed
-    grown = prep.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
+    grown = cache.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
     assert not grown.reused and grown.manifest.documents == len(docs) + 1
 
 
@@ -170,25 +171,25 @@ def test_a_cache_directory_prepared_with_other_settings_is_rebuilt(
     tmp_path: Path, source: tuple[Path, list[str]], tok_path: Path
 ) -> None:
     path, _ = source
-    first = prep.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
+    first = cache.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
     stale = json.loads((first.path / "manifest.json").read_text())
     stale["tokenizer_hash"] = "0" * 64  # as if this directory held another tokenizer's shards
     (first.path / "manifest.json").write_text(json.dumps(stale))
-    rebuilt = prep.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
+    rebuilt = cache.ensure_prepared(_cfg(tmp_path, path, tok_path), 512)
     assert not rebuilt.reused and rebuilt.path == first.path
     assert rebuilt.manifest.settings() == first.manifest.settings()
-    assert prep.read_manifest(first.path) == rebuilt.manifest
+    assert shards.read_manifest(first.path) == rebuilt.manifest
 
 
 def test_without_a_tokenizer_one_is_trained_for_the_source_and_cached(
     tmp_path: Path, source: tuple[Path, list[str]]
 ) -> None:
     path, _ = source
-    first = prep.ensure_prepared(_cfg(tmp_path, path, None), 320)
+    first = cache.ensure_prepared(_cfg(tmp_path, path, None), 320)
     assert first.vocab_size <= 320
     trained = list((tmp_path / "cache" / "tokenizers").glob("*-v320.json"))
     assert len(trained) == 1
-    assert prep.ensure_prepared(_cfg(tmp_path, path, None), 320).reused
+    assert cache.ensure_prepared(_cfg(tmp_path, path, None), 320).reused
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(
@@ -200,7 +201,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(
     with pytest.raises(
         ConfigError, match=r"more than model.vocab_size=300; raise it \(--set model.vocab_size=384\)"
     ):
-        prep.ensure_prepared(_cfg(tmp_path, path, tok_path), 300)
+        cache.ensure_prepared(_cfg(tmp_path, path, tok_path), 300)
 
 
 def test_train_data_can_be_a_prepared_directory(
@@ -208,11 +209,11 @@ def test_train_data_can_be_a_prepared_directory(
 ) -> None:
     path, _ = source
     prep.prepare_data(str(path), tok_path, tmp_path / "prepared")
-    opened = prep.ensure_prepared(_cfg(tmp_path, tmp_path / "prepared", None), 512)
+    opened = cache.ensure_prepared(_cfg(tmp_path, tmp_path / "prepared", None), 512)
     assert opened.path == tmp_path / "prepared" and opened.reused
     toks.train_tokenizer(make_documents(40, 3), 300, tmp_path / "other.json")
     with pytest.raises(ConfigError, match="prepared with a different tokenizer"):
-        prep.ensure_prepared(_cfg(tmp_path, tmp_path / "prepared", tmp_path / "other.json"), 512)
+        cache.ensure_prepared(_cfg(tmp_path, tmp_path / "prepared", tmp_path / "other.json"), 512)
 
 
 def test_ids_above_uint16_are_stored_as_uint32(tmp_path: Path) -> None:
@@ -222,7 +223,7 @@ def test_ids_above_uint16_are_stored_as_uint32(tmp_path: Path) -> None:
     tok.save(str(tmp_path / "big.json"))
     write_jsonl(tmp_path / "d.jsonl", ["w1 w69999 w65536", "w2"])
     m = prep.prepare_data(str(tmp_path / "d.jsonl"), tmp_path / "big.json", tmp_path / "out", val_fraction=0)
-    stream = prep.open_prepared(tmp_path / "out").stream("train")
+    stream = shards.open_prepared(tmp_path / "out").stream("train")
     assert m.dtype == "uint32"
     assert stream.read(0, len(stream)).tolist() == [2, 70000, 65537, 0, 3, 0]
 
@@ -230,7 +231,7 @@ def test_ids_above_uint16_are_stored_as_uint32(tmp_path: Path) -> None:
 def _prepare_in_rank(rank: int, world_size: int, cfg: DataConfig) -> tuple[str, bool]:
     import torch.distributed as dist
 
-    prepared = prep.ensure_prepared(cfg, 512, local_rank=rank, barrier=dist.barrier)
+    prepared = cache.ensure_prepared(cfg, 512, local_rank=rank, barrier=dist.barrier)
     return str(prepared.path), prepared.reused
 
 
@@ -259,5 +260,5 @@ def test_streamed_documents_are_split_by_hash_and_sharded_in_order(tmp_path: Pat
     is_val = prep._streaming_val(np.arange(len(docs)), 0.3, 4)
     assert 0 < is_val.sum() < len(docs) and len(splits["train"].shards) == 3
     for split, mask in (("train", ~is_val), ("val", is_val)):
-        stream = prep.TokenStream(tmp_path, splits[split], "uint16")
+        stream = shards.TokenStream(tmp_path, splits[split], "uint16")
         np.testing.assert_array_equal(stream.read(0, len(stream)), expected_stream(tok, docs, mask))

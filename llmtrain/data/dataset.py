@@ -24,13 +24,14 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
 from llmtrain.config import ConfigError
-from llmtrain.data.prepare import PreparedData, TokenStream, splitmix64
+from llmtrain.data.shards import PreparedData, TokenStream, splitmix64
 from llmtrain.parallel import rules
 
 Batch = dict[str, torch.Tensor]
@@ -87,6 +88,13 @@ def _window_batch(stream: TokenStream, seqs: np.ndarray, seq_len: int, eot: int,
 
 def num_sequences(stream: TokenStream, seq_len: int) -> int:
     return max(0, (len(stream) - 1) // seq_len)
+
+
+def consecutive_batches(
+    stream: TokenStream, firsts: Iterable[int], seq_len: int, micro_batch: int, eot: int, masking: bool
+) -> list[Batch]:
+    """One batch per entry of `firsts`: the sequences [first, first + micro_batch), packed as in training."""
+    return [_window_batch(stream, np.arange(f, f + micro_batch), seq_len, eot, masking) for f in firsts]
 
 
 class TrainLoader:
@@ -271,9 +279,5 @@ def val_batches(
             f"--eval-every: the validation split holds {len(stream)} tokens, fewer than one batch of "
             f"{micro_batch * world_size} sequences of --seq-len {seq_len}; raise --set data.val_fraction"
         )
-    out = []
-    for b in range(min(n_batches, available)):
-        first = (b * world_size + rank) * micro_batch
-        seqs = np.arange(first, first + micro_batch)
-        out.append(_window_batch(stream, seqs, seq_len, prepared.eot_id, document_masking))
-    return out
+    firsts = [(b * world_size + rank) * micro_batch for b in range(min(n_batches, available))]
+    return consecutive_batches(stream, firsts, seq_len, micro_batch, prepared.eot_id, document_masking)

@@ -23,11 +23,12 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeAlias
-
-import datasets
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from llmtrain.config import ConfigError
+
+if TYPE_CHECKING:
+    import datasets
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -40,9 +41,7 @@ KINDS = {
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _GLOB_CHARS = set("*?[")
 
-Documents: TypeAlias = datasets.Dataset | datasets.IterableDataset
-
-datasets.disable_progress_bars()  # our own progress bar reports the work that matters
+Documents: TypeAlias = "datasets.Dataset | datasets.IterableDataset"
 
 
 def cache_root() -> Path:
@@ -129,6 +128,10 @@ def load_documents(
     flag: str = "SOURCE",
 ) -> Documents:
     """Load a source as a table with exactly one column, `text` (one row per document)."""
+    # Imported here, not at the top: fingerprints, cache look-ups and readers of prepared data skip it.
+    import datasets
+
+    datasets.disable_progress_bars()  # our own progress bar reports the work that matters
     path = Path(source).expanduser()
     if is_save_to_disk_dir(path):
         ds: Documents = _load_saved(path, text_field, flag)
@@ -143,6 +146,8 @@ def load_documents(
 
 def _load_files(files: list[Path], text_field: str, flag: str) -> datasets.Dataset:
     """Files of several kinds load kind by kind (in order of first appearance) and are concatenated."""
+    import datasets
+
     if all(f.stat().st_size == 0 for f in files):
         where = files[0] if len(files) == 1 else f"{len(files)} files like {files[0]}"
         raise ConfigError(f"{flag} {where}: empty source (no text); point it at non-empty files")
@@ -162,6 +167,8 @@ def _kinds(files: list[Path]) -> list[str]:
 
 
 def _load_kind(kind: str, files: list[Path], text_field: str, flag: str) -> datasets.Dataset:
+    import datasets
+
     names = [str(f) for f in files]
     # A text file is one document (sample_by="document"); other kinds have a row per document.
     options = {"sample_by": "document"} if kind == "text" else {}
@@ -214,6 +221,8 @@ def _short(exc: BaseException) -> str:
 
 def _text_column(ds: datasets.Dataset, text_field: str, files: list[Path], flag: str) -> datasets.Dataset:
     """Keep only the text field, renamed `text`; a missing, non-string or null field is an error."""
+    import datasets
+
     where = files[0] if len(files) == 1 else f"{len(files)} files like {files[0]}"
     json_files = [f for f in files if f.suffix.lower() in JSON_SUFFIXES]
     if text_field not in ds.column_names or ds.data.column(text_field).null_count:
@@ -269,6 +278,8 @@ def _is_json_document(path: Path) -> bool:
 
 
 def _load_saved(path: Path, text_field: str, flag: str) -> datasets.Dataset:
+    import datasets
+
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as exc:
@@ -286,6 +297,8 @@ def _load_saved(path: Path, text_field: str, flag: str) -> datasets.Dataset:
 
 
 def _load_hub(source: str, hub_config: str | None, streaming: bool, text_field: str, flag: str) -> Documents:
+    import datasets
+
     try:
         with _datasets_logging_off():
             ds = datasets.load_dataset(source, hub_config, split="train", streaming=streaming)
