@@ -1,12 +1,13 @@
 """Run the real `llmtrain` entry point in subprocesses, kill parts of it, read what it left behind.
 
-Shared by the fault, security and soak tests. Every run uses the debug preset, fp32 and one thread
+Shared by the fault, security, resume and soak tests. Every run uses the debug preset, fp32 and one thread
 per process, so two runs of the same configuration produce bitwise-equal losses and weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 from dist import free_port
@@ -121,9 +123,10 @@ def resume_args(run_dir: Path, *extra: str) -> list[str]:
     return ["resume", str(run_dir), "--master-port", str(free_port()), *extra]
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+def kill_tree(pid: int, sig: int = signal.SIGKILL, wait_s: float = 0.0) -> None:
     """Signal a process and everything under it. The launchers start new sessions, so each process
-    group seen is signalled as a whole too: a worker spawned while we look is in one of them."""
+    group seen is signalled as a whole too: a worker spawned while we look is in one of them. With
+    `wait_s`, waits up to that long for every process signalled to be gone."""
     try:
         parent = psutil.Process(pid)
         procs = [parent, *parent.children(recursive=True)]
@@ -138,6 +141,8 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     for group in groups - {os.getpgid(0)}:  # never our own group (pytest's)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(group, sig)
+    if wait_s:
+        psutil.wait_procs(procs, timeout=wait_s)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.05) -> float:
@@ -178,3 +183,23 @@ def latest(run_dir: Path) -> str | None:
 
 def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+class Payload:
+    """A pickle that runs `touch MARKER` when loaded with weights_only=False."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def rewrite_manifest_entry(ckpt_dir: Path, rel: str) -> None:
+    """Make the manifest agree with a replaced file, as an attacker who controls the files would."""
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    data = (ckpt_dir / rel).read_bytes()
+    for entry in manifest["files"]:
+        if entry["path"] == rel:
+            entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from runkit import Payload
 
 from llmtrain import checkpoint as ckpt
 from llmtrain.checkpoint import CheckpointError
@@ -384,20 +385,12 @@ def test_latest_through_a_symlink_outside_is_refused(tmp_path):
 # ---------------------------------------------------------------- nothing from a checkpoint runs code
 
 
-class _Payload:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.mark.slow
 def test_pickled_code_in_a_checkpoint_is_refused_and_never_runs(failures, tmp_path):
     root = _copy(failures[0], tmp_path)
     marker = tmp_path / "PWNED"
     target = root / "step_00000004" / "mp_rank_00_model_states.pt"
-    torch.save({"module": {"w": torch.zeros(2)}, "evil": _Payload(marker)}, target)
+    torch.save({"module": {"w": torch.zeros(2)}, "evil": Payload(marker)}, target)
 
     with pytest.raises(CheckpointError, match=f"{target}.*system"):
         ckpt.load(object(), root, "step_00000004")

@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,8 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+from dist import free_port
+from runkit import Payload, kill_tree, rewrite_manifest_entry
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ class Setup:
         flags += ["--zero", str(self.zero), "--precision", self.precision, "--run-dir", str(run_dir)]
         if self.gpus > 1:
             # A port of our own: other tests may run DeepSpeed's launcher on the default one meanwhile.
-            flags += ["--gpus", str(self.gpus), "--master-port", str(self.port or _free_port())]
+            flags += ["--gpus", str(self.gpus), "--master-port", str(self.port or free_port())]
         return flags
 
 
@@ -73,12 +73,6 @@ BF16_1 = Setup("bf16_ws1", "bf16", zero=1, gpus=1, steps=10, save_every=5)
 # Two processes step fast: more steps leave room to land a signal or a kill mid-run.
 FP32_2 = Setup("fp32_ws2", "fp32", zero=2, gpus=2, steps=20, save_every=10)
 BF16_2 = Setup("bf16_ws2", "bf16", zero=2, gpus=2, steps=12, save_every=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------- running the CLI
@@ -111,7 +105,7 @@ class Cli:
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(self.proc.pid)
+            kill(self)
             self.proc.wait()
             pytest.fail(f"llmtrain {' '.join(self.args)} timed out after {timeout} s:\n{self.tail()}")
         finally:
@@ -148,25 +142,10 @@ def run_quick(args: Sequence[str | Path]) -> subprocess.CompletedProcess[str]:
     )
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid`, every descendant and their process groups (DeepSpeed's launcher has its own)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    groups = set()
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            groups.add(os.getpgid(proc.pid))
-    groups.discard(os.getpgrp())  # never our own (pytest's) group
-    for group in groups:  # a process forked after the listing is still in its parent's group
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(procs, timeout=30)
+def kill(cli: Cli) -> None:
+    """SIGKILL the command, every descendant and their process groups (DeepSpeed's launcher has its
+    own; never our own, pytest's), then wait for them all to be gone."""
+    kill_tree(cli.proc.pid, signal.SIGKILL, wait_s=30)
 
 
 def wait_until(what: str, cli: Cli, condition: Callable[[], bool], timeout: float = TIMEOUT_S) -> None:
@@ -175,7 +154,7 @@ def wait_until(what: str, cli: Cli, condition: Callable[[], bool], timeout: floa
         if not cli.running():
             pytest.fail(f"the run ended before {what}:\n{cli.tail()}")
         if time.monotonic() > deadline:
-            kill_tree(cli.proc.pid)
+            kill(cli)
             pytest.fail(f"no {what} within {timeout} s:\n{cli.tail()}")
         time.sleep(0.005)
 
@@ -379,7 +358,7 @@ class Preempted:
 def _preempt(root: Path, setup: Setup, resume_args: Callable[[Path], Sequence[str | Path]]) -> Preempted:
     """Start with `train --resume auto`, SIGTERM the `llmtrain` process once step 2 is logged, resume."""
     run_dir = root / f"sigterm_{setup.name}"
-    setup = replace(setup, port=_free_port())  # the resume reuses the saved port
+    setup = replace(setup, port=free_port())  # the resume reuses the saved port
     had_checkpoint = (run_dir / "checkpoints").exists()
     first = Cli(["train", "--resume", "auto", *setup.flags(run_dir)], root / f"sigterm_{setup.name}.log")
     wait_until("step 2 was logged", first, lambda: last_step(run_dir) >= 2)
@@ -411,20 +390,18 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(name: str, request: pytest.
     assert run.latest_after_stop == f"step_{run.stopped_at:08d}", "latest must name the step it stopped at"
 
 
-def test_sigterm_resume_is_bitwise_exact_bf16_one_process(
-    preempted_bf16_1: Preempted, ref_bf16_1: Path
+@pytest.mark.parametrize(
+    "name, ref_name, setup",
+    [("preempted_bf16_1", "ref_bf16_1", BF16_1), ("preempted_fp32_2", "ref_fp32_2", FP32_2)],
+    ids=["bf16_one_process", "fp32_two_processes"],
+)
+def test_sigterm_resume_is_bitwise_exact(
+    request: pytest.FixtureRequest, name: str, ref_name: str, setup: Setup
 ) -> None:
-    run = preempted_bf16_1
-    assert_bitwise(ref_bf16_1, run.run_dir, range(run.stopped_at + 1, BF16_1.steps + 1))
-    assert_same_final_state(ref_bf16_1, run.run_dir, BF16_1.steps)
-
-
-def test_sigterm_resume_is_bitwise_exact_fp32_two_processes(
-    preempted_fp32_2: Preempted, ref_fp32_2: Path
-) -> None:
-    run = preempted_fp32_2
-    assert_bitwise(ref_fp32_2, run.run_dir, range(run.stopped_at + 1, FP32_2.steps + 1))
-    assert_same_final_state(ref_fp32_2, run.run_dir, FP32_2.steps)
+    run: Preempted = request.getfixturevalue(name)
+    reference: Path = request.getfixturevalue(ref_name)
+    assert_bitwise(reference, run.run_dir, range(run.stopped_at + 1, setup.steps + 1))
+    assert_same_final_state(reference, run.run_dir, setup.steps)
 
 
 def test_resume_auto_starts_without_checkpoint_and_resumes_with_one(preempted_bf16_1: Preempted) -> None:
@@ -468,7 +445,7 @@ def _printed_step(cli: Cli) -> int:
 def _kill_when(cli: Cli, run_dir: Path, what: str, condition: Callable[[], bool], delay: float) -> Kill:
     wait_until(what, cli, condition)
     time.sleep(delay)
-    kill_tree(cli.proc.pid)
+    kill(cli)
     cli.wait()
     tag = latest(run_dir) if (run_dir / "checkpoints" / "latest").exists() else ""
     return Kill(what, last_step(run_dir), tag, inside_save=bool(_staging_since(run_dir, cli.started)))
@@ -478,7 +455,7 @@ def _kill_when(cli: Cli, run_dir: Path, what: str, condition: Callable[[], bool]
 def killed_bf16_2(root: Path) -> tuple[Path, list[Kill], Cli]:
     """SIGKILL the whole process tree three times at seeded random moments, `--resume auto` after each."""
     rng = random.Random(20240611)
-    setup = replace(BF16_2, port=_free_port())
+    setup = replace(BF16_2, port=free_port())
     run_dir = root / "killed_bf16_ws2"
     args = ["train", "--resume", "auto", *setup.flags(run_dir)]
     kills: list[Kill] = []
@@ -593,33 +570,16 @@ def test_latest_pointing_outside_the_checkpoint_directory_is_refused(
     assert not (run_dir / "checkpoints" / "step_00000009_universal").exists()
 
 
-class _RunsCode:
-    """A pickle that runs a shell command when loaded with weights_only=False."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_checkpoint_holding_code_is_refused_and_never_runs(root: Path, ref_fp32_1: Path) -> None:
-    import hashlib
-
     import torch
 
     run_dir = copy_run(ref_fp32_1, root / "pickled")
     marker = root / "payload_ran"
     tag_dir = run_dir / "checkpoints" / f"step_{FP32_1.steps:08d}"
     target = tag_dir / "mp_rank_00_model_states.pt"
-    torch.save({"module": {}, "payload": _RunsCode(marker)}, target)
+    torch.save({"module": {}, "payload": Payload(marker)}, target)
     # The attacker also rewrites the manifest, so the file passes verification and reaches the loader.
-    manifest = json.loads((tag_dir / "manifest.json").read_text())
-    for entry in manifest["files"]:
-        if entry["path"] == target.name:
-            entry["size"] = target.stat().st_size
-            entry["sha256"] = hashlib.sha256(target.read_bytes()).hexdigest()
-    (tag_dir / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest_entry(tag_dir, target.name)
 
     line = one_error_line(run_quick(["resume", run_dir]))
     assert str(target) in line and "system" in line, line

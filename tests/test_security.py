@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,11 +16,10 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from runkit import error_lines, resume_args, run_env, start, train_args
+from runkit import Payload, error_lines, resume_args, rewrite_manifest_entry, run_env, start, train_args
 
 from llmtrain import checkpoint
 from llmtrain.cli import main
@@ -66,24 +64,6 @@ def test_secrets_from_the_environment_reach_no_file_and_no_log(secret_run: tuple
         assert value not in output, f"{name} leaked into the console output"
 
 
-def _rewrite_manifest_entry(ckpt_dir: Path, rel: str) -> None:
-    """Make the manifest agree with a replaced file, as an attacker who controls the files would."""
-    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
-    data = (ckpt_dir / rel).read_bytes()
-    for entry in manifest["files"]:
-        if entry["path"] == rel:
-            entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
-
-
-class _Payload:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.mark.slow
 def test_resume_refuses_a_checkpoint_with_pickled_code_and_never_runs_it(
     secret_run: tuple[Path, str], tmp_path: Path
@@ -94,9 +74,9 @@ def test_resume_refuses_a_checkpoint_with_pickled_code_and_never_runs_it(
     marker = tmp_path / "PWNED"
     target = tag_dir / "mp_rank_00_model_states.pt"
     state = torch.load(target, map_location="cpu", weights_only=False)
-    state["evil"] = _Payload(marker)
+    state["evil"] = Payload(marker)
     torch.save(state, target)
-    _rewrite_manifest_entry(tag_dir, target.name)
+    rewrite_manifest_entry(tag_dir, target.name)
     assert checkpoint.verify(tag_dir) == []  # it passes the integrity check: only the scan stands
 
     run = start(resume_args(run_dir, "--steps", str(STEPS + 2)), tmp_path / "resume.log", run_env())

@@ -102,8 +102,6 @@ def shutdown() -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -115,27 +113,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return [float(x) for x in t.tolist()]
-
-
-def all_agree(flag: bool, device: torch.device) -> bool:
-    """True only if `flag` is true on every rank."""
-    t = torch.tensor([0.0 if flag else 1.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return bool(t.item() == 0.0)
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True if `flag` is true on at least one rank."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return bool(t.item() > 0.0)
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 # ---------------------------------------------------------------- who failed: naming the rank
