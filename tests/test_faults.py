@@ -5,12 +5,14 @@ fills its disk, signals it mid-save, lets it diverge) and checks what a user rel
 bounded time with a message naming the rank, `latest` only ever names a checkpoint that verifies, and
 `llmtrain resume` continues bitwise-exactly (fp32, compared with one uninterrupted run).
 
-Faults come from LLMTRAIN_FAULTS (llmtrain/faults.py); steps there are 0-based, the logs' are 1-based.
+Faults come from LLMTRAIN_FAULTS (llmtrain/train/faults.py, a loop hook); steps there are 0-based, the
+logs' are 1-based.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,8 @@ from runkit import (
 )
 
 from llmtrain import checkpoint
+from llmtrain.config import ConfigError
+from llmtrain.train import faults
 
 pytestmark = pytest.mark.slow
 
@@ -238,3 +242,49 @@ def test_faults_parse_first_attempt_only(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert faults.from_env(1).exit_after_step is None
     assert faults.from_env(0) == faults.Faults()
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["nan_loss@1", "nan_loss@x:3", "explode@0:3", "exit@1:", "nan_loss@1:3#last", "nan_loss@1:3;exit"],
+)
+def test_a_malformed_faults_value_is_a_config_error_naming_the_variable_and_the_syntax(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(faults.ENV, value)
+    for rank in (0, 1):  # every item is checked on every rank, whichever rank it names
+        with pytest.raises(ConfigError) as info:
+            faults.hooks_from_env(rank)
+        message = str(info.value)
+        assert message.startswith(f"{faults.ENV}: bad item ") and faults.SYNTAX in message
+        assert "\n" not in message
+
+
+def test_faults_are_a_hook_registered_only_when_the_variable_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.hooks_from_env(0) == []
+    monkeypatch.setenv(faults.ENV, "")
+    assert faults.hooks_from_env(0) == []
+    monkeypatch.setenv(faults.ENV, "nan_loss@1:2, ;hang@0:5")
+    (hook,) = faults.hooks_from_env(1)
+    loss = torch.tensor(2.0)
+    assert hook.on_forward(loss, 1) is loss
+    assert torch.isnan(hook.on_forward(loss, 2))
+    assert faults.hooks_from_env(0) == [faults.Faults(hang_at_step=5)]
+
+
+def test_a_malformed_faults_value_fails_the_cli_in_one_line_with_exit_2(tmp_path: Path) -> None:
+    args = ["train", "--preset", "debug", "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmtrain", *args],
+        capture_output=True,
+        text=True,
+        env=run_env("nan_loss@one:3"),
+        timeout=RUN_TIMEOUT,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [
+        f"error: {faults.ENV}: bad item 'nan_loss@one:3'; expected {faults.SYNTAX}"
+    ]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()  # refused while preparing: nothing was created

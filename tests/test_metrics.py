@@ -93,6 +93,27 @@ def test_no_peak_and_no_mfu_on_cpu(tmp_path: Path) -> None:
     assert "mfu" not in record and logger.flops_per_token == flops_per_token(cfg.model, cfg.train.seq_len)
 
 
+def test_configured_peak_times_the_real_world_size_gives_the_mfu(tmp_path: Path) -> None:
+    # --gpus 1 (cfg.world_size 1) while the launcher started 2 processes: the peak is the group's.
+    cfg = config.resolve(flags={"preset": "debug"}, sets=["logging.peak_flops=1e12"])
+    assert cfg.logging.peak_flops == 1e12 and cfg.world_size == 1
+    logger = MetricsLogger.from_config(cfg, tmp_path, device="cpu", world_size=2, interactive=False)
+    assert logger.peak_flops_total == 2e12
+    time.sleep(0.01)
+    record = logger.log_step(1, loss=5.0, lr=1e-3, grad_norm=1.0, tokens=2048)
+    summary = logger.close()
+    per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+    assert record["tokens_per_sec"] > 0
+    assert record["mfu"] == record["tokens_per_sec"] * per_token / (1e12 * 2)
+    assert summary["mfu"] == pytest.approx(summary["tokens_per_sec"] * per_token / 2e12)
+
+
+@pytest.mark.parametrize("value", ["0", "-1e12"])
+def test_peak_flops_must_be_positive(value: str) -> None:
+    with pytest.raises(config.ConfigError, match=r"logging\.peak_flops: must be positive"):
+        config.resolve(flags={"preset": "debug"}, sets=[f"logging.peak_flops={value}"])
+
+
 # ---------------------------------------------------------------- metrics.jsonl and console
 
 

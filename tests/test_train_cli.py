@@ -4,7 +4,8 @@ The multi-process jobs run concurrently in one module fixture (each costs ~30 s 
 on 2 cores):
 - `one_node`: `train --gpus 2` under DeepSpeed's launcher, with `--wandb offline` and a fake API key;
 - `two_nodes`: torchrun `--nnodes 2 --nproc-per-node 1`, node ranks 0 and 1 on loopback, each running
-  `python -m llmtrain train` (inside a launcher: no relaunch, world size from the launcher);
+  `python -m llmtrain train` (inside a launcher: no relaunch, world size from the launcher), with a
+  configured per-device peak (`logging.peak_flops`) so MFU is logged on CPU too;
 - `crash`: `train --gpus 2` where rank 1 exits abruptly after its third step (LLMTRAIN_FAULTS).
 Bad input is checked on light single-process invocations that fail before any training starts.
 """
@@ -32,6 +33,7 @@ TRAIN_ARGS = [
     "--log-every", "1", "--zero", "1", "--precision", "fp32",
 ]  # fmt: skip
 FAKE_KEY = "llmtrainfake" + "0123456789abcdef" * 2
+PEAK_FLOPS = 1e12  # per device, given to the two_nodes job
 JOB_TIMEOUT = 420.0
 
 
@@ -103,6 +105,7 @@ def _torchrun_node(node_rank: int, port: int, run_dir: Path) -> list[str]:
         torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
         "--master-addr", "127.0.0.1", "--master-port", str(port),
         "-m", "llmtrain", "train", *TRAIN_ARGS, "--run-dir", str(run_dir),
+        "--set", f"logging.peak_flops={PEAK_FLOPS:g}",
     ]  # fmt: skip
 
 
@@ -205,6 +208,24 @@ def test_two_nodes_of_one_process_match_one_node_of_two(jobs: dict[str, Job]) ->
     assert len(losses) == STEPS
     # Same ranks, same data, same reductions: observed identical; 1e-6 allows another summation order.
     assert losses == pytest.approx(reference, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_mfu_counts_every_process_of_the_job_not_the_gpus_flag(jobs: dict[str, Job]) -> None:
+    from llmtrain.config import load_run_config
+    from llmtrain.train.metrics import flops_per_token
+
+    job = jobs["two_nodes"]
+    assert job.codes == [0, 0], job.stderr(0)[-3000:] + job.stderr(1)[-3000:]
+    cfg = load_run_config(job.run_dir / "config.yaml")
+    assert cfg.logging.peak_flops == PEAK_FLOPS and cfg.world_size == 1  # each node was told --gpus 1
+    per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+    records = [r for r in read_metrics(job.run_dir / METRICS_FILE) if "loss" in r]
+    assert len(records) == STEPS
+    for r in records:
+        # metrics.jsonl holds the floats unrounded (JSON round-trips them), so this is exact up to the
+        # order of the operations; the peak is 2 processes x PEAK_FLOPS.
+        assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * per_token / (PEAK_FLOPS * 2), rel=1e-12)
 
 
 # ---------------------------------------------------------------- a rank that dies

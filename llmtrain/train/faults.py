@@ -5,12 +5,17 @@ steps 3 and 4 (0-based optimizer step being computed), rank 1 exits abruptly aft
 rank 0 blocks forever before step 2's collective, and file writes on rank 1 fail (EFBIG, through
 RLIMIT_FSIZE) from the end of step 3 to the end of the next checkpoint save (put STEP right before one). A `#first` suffix (`exit@1:5#first`)
 limits a fault to the first attempt of an elastic launcher (torchrun's TORCHELASTIC_RESTART_COUNT 0), so
-the restarted job runs clean. Unset (always, outside tests) it does nothing at all.
+the restarted job runs clean. Unset (always, outside tests) it does nothing at all: no hook is
+registered. A malformed value is bad input (`ConfigError`, one line naming LLMTRAIN_FAULTS and the syntax).
+
+`Faults` is a loop hook (`llmtrain.train.hooks`): `on_forward` poisons or hangs, `after_step` exits or
+fills the disk, `after_save` frees it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import time
@@ -18,20 +23,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmtrain.config import ConfigError
+from llmtrain.train.hooks import TrainHook
+
 ENV = "LLMTRAIN_FAULTS"
 FIRST_ATTEMPT_ONLY = "#first"
+KINDS = ("nan_loss", "exit", "hang", "disk_full")
+SYNTAX = (
+    f"KIND@RANK:STEP[,STEP...][{FIRST_ATTEMPT_ONLY}] items separated by ';' with KIND one of "
+    f"{', '.join(KINDS)} (e.g. nan_loss@1:3,4;exit@0:5#first)"
+)
+_ITEM = re.compile(r"(?P<kind>[a-z_]+)@(?P<rank>[0-9]+):(?P<steps>[0-9]+(?:,[0-9]+)*),?(?P<only>#first)?")
 _FULL_DISK_BYTES = 1024  # file size limit while the disk is "full": small enough for any checkpoint file
 
 
 @dataclass
-class Faults:
+class Faults(TrainHook):
     nan_loss_steps: set[int] = field(default_factory=set)
     exit_after_step: int | None = None
     hang_at_step: int | None = None
     disk_full_after_steps: set[int] = field(default_factory=set)
     _saved_fsize: tuple[int, int] | None = None
 
-    def corrupt_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+    def on_forward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         if self.hang_at_step == step:
             _hang()
         return loss * float("nan") if step in self.nan_loss_steps else loss
@@ -64,25 +78,43 @@ def first_attempt() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
 
 
+@dataclass(frozen=True)
+class Item:
+    kind: str
+    rank: int
+    steps: tuple[int, ...]
+    first_attempt_only: bool
+
+
+def parse(value: str) -> list[Item]:
+    """The items of an LLMTRAIN_FAULTS value, all of them checked (whichever rank they are for)."""
+    items = []
+    for text in filter(None, (part.strip() for part in value.split(";"))):
+        match = _ITEM.fullmatch(text)
+        if match is None or match["kind"] not in KINDS:
+            raise ConfigError(f"{ENV}: bad item {text!r}; expected {SYNTAX}")
+        steps = tuple(int(s) for s in match["steps"].split(","))
+        items.append(Item(match["kind"], int(match["rank"]), steps, match["only"] is not None))
+    return items
+
+
+def hooks_from_env(rank: int) -> list[TrainHook]:
+    """The fault hook for this rank when LLMTRAIN_FAULTS is set (and not empty); none otherwise."""
+    return [from_env(rank)] if os.environ.get(ENV, "").strip() else []
+
+
 def from_env(rank: int) -> Faults:
     faults = Faults()
-    for item in filter(None, os.environ.get(ENV, "").split(";")):
-        item, _, only = item.partition("#")
-        if only and f"#{only}" != FIRST_ATTEMPT_ONLY:
-            raise ValueError(f"{ENV}: unknown suffix #{only} (only {FIRST_ATTEMPT_ONLY})")
-        kind, _, where = item.partition("@")
-        fault_rank, _, steps = where.partition(":")
-        if int(fault_rank) != rank or (only and not first_attempt()):
+    for item in parse(os.environ.get(ENV, "")):
+        if item.rank != rank or (item.first_attempt_only and not first_attempt()):
             continue
-        numbers = [int(s) for s in steps.split(",") if s]
+        kind, numbers = item.kind, item.steps
         if kind == "nan_loss":
             faults.nan_loss_steps.update(numbers)
         elif kind == "exit":
             faults.exit_after_step = numbers[0]
         elif kind == "hang":
             faults.hang_at_step = numbers[0]
-        elif kind == "disk_full":
-            faults.disk_full_after_steps.update(numbers)
         else:
-            raise ValueError(f"{ENV}: unknown fault {kind!r}")
+            faults.disk_full_after_steps.update(numbers)
     return faults

@@ -7,7 +7,8 @@ metrics.jsonl holds one JSON object per line:
 - a training record per logged step: `step` (optimizer steps completed), `loss`, `lr`, `grad_norm`,
   `tokens` (cumulative, counting resumed runs), `tokens_per_sec` (over the interval since the previous
   record), `elapsed_s` (training wall time, cumulative across resumes), `skipped` and `spikes`
-  (cumulative counts from the stability guard), and `mfu` (a fraction) where the device's peak is known;
+  (cumulative counts from the stability guard), and `mfu` (a fraction) where the device's peak is known
+  (a GPU in `PEAK_BF16_FLOPS`, or `logging.peak_flops`);
 - an evaluation record: `{"step", "val_loss", "val_ppl"}`.
 Non-finite numbers are written as null, so every line is strict JSON.
 
@@ -245,17 +246,25 @@ class MetricsLogger:
         rank: int = 0,
         resume_step: int = 0,
         device: torch.device | str | None = None,
+        world_size: int = 1,
         interactive: bool | None = None,
     ) -> MetricsLogger:
-        """A logger for this run: FLOPs per token from the model shape, peak from the device x world size."""
-        per_device = peak_flops(device) if device is not None else None
+        """A logger for this run: FLOPs per token from the model shape, peak from the device x world size.
+
+        `world_size` is the process group's (every process drives one device), not `cfg.world_size`: a
+        launcher may start more processes than --gpus x --nodes says. `logging.peak_flops`, when set, is
+        the peak of one device; otherwise the device's known BF16 peak (none on CPU: no MFU).
+        """
+        per_device = cfg.logging.peak_flops
+        if per_device is None and device is not None:
+            per_device = peak_flops(device)
         return cls(
             run_dir,
             total_steps=cfg.total_steps,
             rank=rank,
             resume_step=resume_step,
             flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
-            peak_flops_total=per_device * cfg.world_size if per_device else None,
+            peak_flops_total=per_device * world_size if per_device else None,
             wandb_mode=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project,
             run_name=cfg.logging.run_name or Path(run_dir).name,

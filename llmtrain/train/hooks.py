@@ -1,0 +1,52 @@
+"""Named points in the training loop where extra behaviour plugs in, instead of inline calls.
+
+A hook subclasses `TrainHook` and overrides the points it needs; the Trainer calls each point on every
+registered hook, in registration order:
+- `on_forward(loss, step) -> loss`: after each micro-batch's forward (0-based optimizer step being
+  computed); returns the loss to use (a hook may replace it);
+- `after_step(step)`: after the optimizer step `step` (0-based) is done, before it is counted;
+- `after_save()`: after each checkpoint save, whether it succeeded or not.
+Fault injection (`llmtrain.train.faults`) is one such hook, registered only when LLMTRAIN_FAULTS is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class TrainHook:
+    """Every point does nothing; a hook overrides the ones it needs."""
+
+    def on_forward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        return loss
+
+    def after_step(self, step: int) -> None:
+        return None
+
+    def after_save(self) -> None:
+        return None
+
+
+class Hooks(TrainHook):
+    """The registered hooks, called in order at each point (with none, every point is a no-op)."""
+
+    def __init__(self, hooks: Iterable[TrainHook] = ()) -> None:
+        self.hooks = list(hooks)
+
+    def add(self, hook: TrainHook) -> None:
+        self.hooks.append(hook)
+
+    def on_forward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        for hook in self.hooks:
+            loss = hook.on_forward(loss, step)
+        return loss
+
+    def after_step(self, step: int) -> None:
+        for hook in self.hooks:
+            hook.after_step(step)
+
+    def after_save(self) -> None:
+        for hook in self.hooks:
+            hook.after_save()
