@@ -171,9 +171,9 @@ class BareLoopRunner:
     def __init__(self, setup: Setup, run_dir: Path) -> None:
         import torch
 
+        from llmtrain.engine.ds_engine import param_groups
         from llmtrain.model import build_model
         from llmtrain.parallel.distributed import select_accelerator
-        from llmtrain.train.trainer import param_groups
 
         if setup.precision != "fp32":
             raise ValueError("the bare loop is the fp32 reference")

@@ -1,6 +1,6 @@
 """The `llmtrain` command line. Thin: parse, build the config, call one function.
 
-The train flags are derived from the config tree (config.FLAG_KEYS): each flag's help is its field's
+The train flags are derived from the config tree (flags.FLAG_KEYS): each flag's help is its field's
 help and its value is parsed by config.coerce, so a flag and `--set` can never disagree. Known errors
 become one line `error: ...` with exit code 2 (bad input) or 1 (failure during a run); the traceback
 appears only with `--debug`.
@@ -25,6 +25,7 @@ from llmtrain import __version__
 from llmtrain import config as config_mod
 from llmtrain.config import ConfigError
 from llmtrain.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILURE, BadInput, RunFailure
+from llmtrain.flags import FLAG_KEYS
 
 app = typer.Typer(
     name="llmtrain",
@@ -93,7 +94,7 @@ def with_train_flags(func: Callable[..., Any]) -> Callable[..., Any]:
 
     `cfg_args` is a dict for config.resolve: config_file, sets, flags (key -> raw string).
     """
-    return _with_flags(func, tuple(config_mod.FLAG_KEYS))
+    return _with_flags(func, tuple(FLAG_KEYS))
 
 
 def with_flags(*flags: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -110,10 +111,8 @@ def _with_flags(func: Callable[..., Any], wanted: tuple[str, ...]) -> Callable[.
         for p in inspect.signature(func).parameters.values()
     ][1:]
     taken = {p.name for p in own}  # e.g. resume's RUN_DIR argument replaces --run-dir
-    flag_params = [
-        p for p in (_flag_param(flag, config_mod.FLAG_KEYS[flag]) for flag in wanted) if p.name not in taken
-    ]
-    names = {p.name: config_mod.FLAG_KEYS[f"--{p.name.replace('_', '-')}"] for p in flag_params}
+    flag_params = [p for p in (_flag_param(flag, FLAG_KEYS[flag]) for flag in wanted) if p.name not in taken]
+    names = {p.name: FLAG_KEYS[f"--{p.name.replace('_', '-')}"] for p in flag_params}
 
     @functools.wraps(func)
     def wrapper(**kwargs: Any) -> Any:
@@ -277,13 +276,14 @@ def train_cmd(
     ] = None,
 ) -> None:
     """Train a model: DeepSpeed config from the flags, Llama model, checkpoints, LR schedule."""
-    from llmtrain.run import launch
+    from llmtrain.run import launch, prepare
 
     if resume not in (None, "auto"):
         raise ConfigError(
             f"--resume: only `auto` is accepted, got {resume!r}; to resume a run use `llmtrain resume RUN_DIR`"
         )
-    _exit_with(launch.start_train(resolve_config(cfg_args), resume_auto=resume == "auto"))
+    prepared = prepare.prepare_train(resolve_config(cfg_args), resume_auto=resume == "auto")
+    _exit_with(launch.start(prepared))
 
 
 @app.command("resume")
@@ -295,15 +295,27 @@ def resume_cmd(
         bool, typer.Option("--strict", help="Refuse a corrupt checkpoint instead of falling back.")
     ] = False,
 ) -> None:
-    """Continue a run exactly where its last complete checkpoint stopped (same data, LR, loss curve)."""
-    from llmtrain.run import launch
+    """Continue a run exactly where its last complete checkpoint stopped (same data, LR, loss curve).
+
+    --config, --set and flags change the saved config where that keeps the continuation exact (run
+    length, cadences, logging, launch); any other change is refused."""
+    from llmtrain.run import launch, prepare
 
     if strict:
         cfg_args["sets"] = [*cfg_args["sets"], "checkpoint.strict=true"]
-    given = (
-        cfg_args["config_file"] or cfg_args["sets"] or any(v is not None for v in cfg_args["flags"].values())
-    )
-    _exit_with(launch.start_resume(run_dir, cfg_args if given else None))
+    changes = prepare.ConfigChanges(cfg_args["config_file"], cfg_args["sets"], cfg_args["flags"])
+    _exit_with(launch.start(prepare.prepare_resume(run_dir, changes)))
+
+
+@app.command("worker", hidden=True)
+def worker_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="The prepared run directory.")],
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
+) -> None:
+    """One worker of a run prepared by `train` or `resume` (started by DeepSpeed's launcher)."""
+    from llmtrain.run import launch, rundir
+
+    _exit_with(launch.train_here(rundir.load_saved_config(run_dir), run_dir, resume))
 
 
 def _exit_with(code: int) -> None:
@@ -465,22 +477,23 @@ def prepare_data_cmd(
     streaming: Annotated[bool, typer.Option("--streaming", help="Stream a Hub dataset.")] = False,
 ) -> None:
     """Tokenize a source into memory-mapped token shards plus manifest.json (then `train --data DIR`)."""
-    from llmtrain.data.prepare import prepare_data_command
+    from llmtrain.data.prepare import prepare_data, summary
 
-    print(
-        prepare_data_command(
-            source,
-            tokenizer,
-            out,
-            text_field=text_field,
-            hub_config=hub_config,
-            streaming=streaming,
-            val_fraction=val_fraction,
-            split_seed=seed,
-            num_proc=num_proc,
-            dtype=dtype,
-        )
+    if num_proc < 1:
+        raise ConfigError(f"--num-proc {num_proc}: must be at least 1")
+    manifest = prepare_data(
+        source,
+        tokenizer,
+        out,
+        text_field=text_field,
+        hub_config=hub_config,
+        streaming=streaming,
+        val_fraction=val_fraction,
+        split_seed=seed,
+        num_proc=num_proc,
+        dtype=dtype,
     )
+    print(summary(out, manifest))
 
 
 # ---------------------------------------------------------------- entry point

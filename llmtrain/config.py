@@ -19,12 +19,10 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from llmtrain.errors import BadInput
+from llmtrain.errors import ConfigError
+from llmtrain.flags import flag_for
+from llmtrain.parallel import rules
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
-
-
-class ConfigError(BadInput, ValueError):
-    """A bad flag, key or value. The CLI prints it as one line `error: ...` and exits with code 2."""
 
 
 def _f(default: Any, help: str) -> Any:
@@ -140,6 +138,7 @@ class LoggingConfig:
     wandb: Literal["off", "offline", "online"] = _f("off", "Weights & Biases logging")
     wandb_project: str = _f("llmtrain", "wandb project")
     run_name: str | None = _f(None, "run name; default derived from the run directory")
+    peak_flops: float | None = _f(None, "peak FLOP/s of one device for MFU; none = the known GPUs' bf16 peak")
 
 
 @dataclass
@@ -207,51 +206,6 @@ class TrainConfig:
 
 
 DEFAULT_STEPS = 1000
-
-# First-class CLI flags and the keys they set, so errors can name what the user typed.
-FLAG_KEYS: dict[str, str] = {
-    "--preset": "preset",
-    "--run-dir": "run_dir",
-    "--data": "data.source",
-    "--tokenizer": "data.tokenizer",
-    "--text-field": "data.text_field",
-    "--zero": "zero.stage",
-    "--offload": "zero.offload",
-    "--nvme-path": "zero.nvme_path",
-    "--precision": "train.precision",
-    "--micro-batch": "train.micro_batch",
-    "--global-batch": "train.global_batch",
-    "--seq-len": "train.seq_len",
-    "--steps": "train.steps",
-    "--tokens": "train.tokens",
-    "--seed": "train.seed",
-    "--activation-checkpointing": "train.activation_checkpointing",
-    "--compile": "train.compile",
-    "--eval-every": "train.eval_every",
-    "--lr": "optim.lr",
-    "--schedule": "schedule.name",
-    "--warmup-steps": "schedule.warmup_steps",
-    "--save-every": "checkpoint.save_every",
-    "--save-every-minutes": "checkpoint.save_every_minutes",
-    "--keep": "checkpoint.keep",
-    "--keep-every": "checkpoint.keep_every",
-    "--log-every": "logging.log_every",
-    "--wandb": "logging.wandb",
-    "--gpus": "launch.gpus",
-    "--nodes": "launch.nodes",
-    "--hostfile": "launch.hostfile",
-    "--launcher": "launch.launcher",
-    "--master-addr": "launch.master_addr",
-    "--master-port": "launch.master_port",
-    "--collective-timeout": "launch.collective_timeout_s",
-}
-_KEY_FLAGS = {key: flag for flag, key in FLAG_KEYS.items()}
-
-
-def flag_for(key: str) -> str:
-    """How to name a key in an error: its flag when it has one, else `--set key`."""
-    return _KEY_FLAGS.get(key, f"--set {key}")
-
 
 # ---------------------------------------------------------------- key paths and types
 
@@ -444,26 +398,28 @@ def resolve(
     config_file: str | Path | None = None,
     sets: list[str] | None = None,
     flags: dict[str, Any] | None = None,
+    base: TrainConfig | None = None,
 ) -> TrainConfig:
-    """Build and validate a TrainConfig: defaults < preset < file < --set < flags."""
-    file_values = load_yaml(config_file) if config_file else {}
+    """Build and validate a TrainConfig: defaults < preset < `base` < file < --set < flags.
+
+    `base` is a run's saved config when `resume` applies changes to it.
+    """
     set_values = parse_set(sets or [])
     flag_values = {k: v for k, v in (flags or {}).items() if v is not None}
     for key in flag_values:
         _check_key(key)
-
+    layers = [
+        (flat_dict(base) if base is not None else {}, "the run's config"),
+        (load_yaml(config_file) if config_file else {}, f"--config {config_file}"),
+        (set_values, "--set"),
+    ]
     cfg = TrainConfig()
     preset, where = DEFAULT_PRESET, "preset"
-    for layer, name in (
-        (file_values, f"--config {config_file}"),
-        (set_values, "--set"),
-        (flag_values, "--preset"),
-    ):
+    for layer, name in [*layers, (flag_values, "--preset")]:
         if "preset" in layer:
             preset, where = str(layer["preset"]), name
     apply_preset(cfg, preset, where)
-
-    for layer, name in ((file_values, f"--config {config_file}"), (set_values, "--set")):
+    for layer, name in layers:
         for key, value in layer.items():
             if key != "preset":
                 _set(cfg, key, coerce(key, value, name))
@@ -476,6 +432,11 @@ def resolve(
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def flat_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Every key of `cfg` as dotted key -> value."""
+    return _flatten(to_dict(cfg))
 
 
 def dump_yaml(cfg: TrainConfig) -> str:
@@ -510,8 +471,6 @@ def load_run_config(path: str | Path) -> TrainConfig:
 
 
 # ---------------------------------------------------------------- validation
-
-from llmtrain.parallel import rules  # noqa: E402  (rules names flags through this module: import last)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -618,6 +577,8 @@ def _validate_other(cfg: TrainConfig) -> None:
     _require(c.keep is None or c.keep > 0, "checkpoint.keep", "must be at least 1 (or none to keep all)")
     _require(c.keep_every is None or c.keep_every > 0, "checkpoint.keep_every", "must be positive")
     _require(cfg.logging.log_every > 0, "logging.log_every", "must be positive")
+    peak = cfg.logging.peak_flops
+    _require(peak is None or peak > 0, "logging.peak_flops", f"must be positive, got {peak}")
     name = cfg.logging.run_name
     _require(
         name is None or (_PLAIN_NAME.fullmatch(name) is not None and name not in (".", "..")),

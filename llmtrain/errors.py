@@ -13,6 +13,10 @@ class BadInput(Exception):
     """Bad user input: one line `error: ...` naming the flag or file and the fix; exit code 2."""
 
 
+class ConfigError(BadInput, ValueError):
+    """A bad flag, key or value (named by its flag, see llmtrain.flags)."""
+
+
 class RunFailure(RuntimeError):
     """A failure during a run (a dead peer, divergence, a failed save); exit code 1."""
 

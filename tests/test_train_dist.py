@@ -39,15 +39,15 @@ COMMON: dict[str, Any] = {
 
 
 def _build(rank: int, world_size: int, run_dir: str, flags: dict[str, Any], faults: str = "") -> Any:
-    """A Trainer as `llmtrain train` builds it inside a launcher (global batch fixed as start_train does)."""
+    """A Trainer as `llmtrain train` builds it inside a launcher (derived numbers fixed as run.prepare does)."""
     from llmtrain.config import resolve
     from llmtrain.parallel.distributed import World
+    from llmtrain.run import prepare
     from llmtrain.train import faults as faults_mod
     from llmtrain.train.trainer import build_trainer
 
     cfg = resolve(flags={**COMMON, "launch.gpus": world_size, "run_dir": run_dir, **flags})
-    cfg.train.global_batch = cfg.global_batch
-    cfg.schedule.warmup_steps = cfg.warmup_steps
+    prepare.derive(cfg)
     os.environ[faults_mod.ENV] = faults  # read by the Trainer when it is built
     try:
         world = World(rank=rank, local_rank=rank, world_size=world_size, accelerator="cpu")

@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from llmtrain.config import ConfigError, flag_for
+from llmtrain.errors import ConfigError
+from llmtrain.flags import flag_for
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")  # fastest first: each moves states over a slower link every step

@@ -1,11 +1,11 @@
-"""More than one process: re-execute under DeepSpeed's launcher, or run directly inside one.
+"""Start a prepared run's workers: here, or under DeepSpeed's launcher; forward signals to them.
 
-`llmtrain train --gpus 2` (not inside a launcher) resolves the config, writes RUN_DIR/config.yaml, and
-runs `deepspeed --num_gpus 2 ... --module llmtrain resume RUN_DIR --fresh-ok` so every worker reads the
-same resolved config. Inside a launcher (RANK / WORLD_SIZE set by deepspeed, torchrun or Slurm) the
-workers train directly. The launcher runs in its own session: SIGINT / SIGTERM reach this process
-only, which passes SIGTERM to the workers themselves, so they finish the step, save and exit 0
-(DeepSpeed's launch.py would kill them after 30 s and exit 1).
+`llmtrain train --gpus 2` (not inside a launcher) is prepared and frozen in RUN_DIR/config.yaml by
+run.prepare; this module then runs `deepspeed --num_gpus 2 ... --module llmtrain worker RUN_DIR` so
+every worker trains from that same frozen config. Inside a launcher (RANK / WORLD_SIZE set by deepspeed,
+torchrun or Slurm) the process trains directly. DeepSpeed's launcher runs in its own session: SIGINT /
+SIGTERM reach this process only, which passes SIGTERM to the workers themselves, so they finish the
+step, save and exit 0 (DeepSpeed's launch.py would kill them after 30 s and exit 1).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -23,51 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-from llmtrain.config import ConfigError, TrainConfig, flag_for
-
-_HOSTFILE_LINE = re.compile(r"^\s*(\S+)\s+slots\s*=\s*(\d+)\s*$")
-
-
-def read_hostfile(path: str) -> dict[str, int]:
-    """DeepSpeed's hostfile: `hostname slots=N` per line; # comments and blank lines allowed."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--hostfile {path}: file not found; write one `hostname slots=N` line per node")
-    hosts: dict[str, int] = {}
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        text = line.split("#", 1)[0]
-        if not text.strip():
-            continue
-        match = _HOSTFILE_LINE.match(text)
-        if not match or int(match.group(2)) < 1:
-            raise ConfigError(
-                f"--hostfile {path}:{number}: expected `hostname slots=N` with N >= 1, got {line.strip()!r}"
-            )
-        if match.group(1) in hosts:
-            raise ConfigError(f"--hostfile {path}:{number}: host {match.group(1)} listed twice")
-        hosts[match.group(1)] = int(match.group(2))
-    if not hosts:
-        raise ConfigError(f"--hostfile {path}: no hosts listed; write one `hostname slots=N` line per node")
-    return hosts
-
-
-def check_launch(cfg: TrainConfig) -> None:
-    """Launch settings that can be checked before anything starts."""
-    launch = cfg.launch
-    if launch.hostfile is not None:
-        hosts = read_hostfile(launch.hostfile)
-        if launch.nodes > len(hosts):
-            raise ConfigError(
-                f"{flag_for('launch.nodes')}: {launch.nodes} nodes asked for but {launch.hostfile} lists "
-                f"{len(hosts)}; add hosts or lower --nodes"
-            )
-    elif launch.nodes > 1:
-        raise ConfigError(f"{flag_for('launch.nodes')}: {launch.nodes} nodes need --hostfile listing them")
+from llmtrain.config import TrainConfig
+from llmtrain.errors import EXIT_BAD_INPUT, BadInput
+from llmtrain.parallel.distributed import inside_launcher
+from llmtrain.run import rundir
+from llmtrain.run.prepare import PreparedRun, freeze
 
 
 def needs_relaunch(cfg: TrainConfig) -> bool:
-    from llmtrain.parallel.distributed import inside_launcher
-
     return cfg.world_size > 1 and not inside_launcher()
 
 
@@ -164,165 +126,47 @@ def _is_worker(proc: object) -> bool:
     return "llmtrain" in cmdline and "deepspeed.launcher.launch" not in " ".join(cmdline)
 
 
-# ---------------------------------------------------------------- what `train` and `resume` run
-
-# Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
-RESUME_MAY_CHANGE = (
-    "train.steps",
-    "train.tokens",
-    "train.eval_every",
-    "train.eval_batches",
-    "train.micro_batch",
-    "checkpoint.",
-    "logging.",
-    "launch.",
-    "data.num_proc",
-    "data.cache_dir",
-    "stability.max_consecutive_skips",
-)
+# ---------------------------------------------------------------- running a prepared run
 
 
-def start_train(cfg: TrainConfig, resume_auto: bool) -> int:
-    """`llmtrain train`: a fresh run (or, with --resume auto, a resume when a checkpoint exists)."""
-    from llmtrain.run import rundir
-
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else rundir.default_run_dir(cfg)
-    cfg.run_dir = str(run_dir)
-    if resume_auto and rundir.has_checkpoints(run_dir):
-        return start_resume(run_dir, None)
-    if not _inside_launcher():
-        rundir.refuse_fresh_run_over_checkpoints(run_dir)
-    check_launch(cfg)
-    check_inputs(cfg)
-    # The global batch is fixed at the start, so a resume on another world size keeps it.
-    cfg.train.global_batch = cfg.train.global_batch or cfg.train.micro_batch * _world_size(cfg)
-    cfg.schedule.warmup_steps = cfg.warmup_steps
-    existed = run_dir.exists()
-    with _discard_new_run_dir_on_bad_input(run_dir, existed):
-        if needs_relaunch(cfg):
-            _write_config(run_dir, cfg)
-            code = relaunch(cfg, ["train", "--config", str(run_dir / rundir.CONFIG_FILE)])
-            if code == BAD_INPUT:  # the workers rejected their input and said why
-                _discard_if_new(run_dir, existed)
-            return code
-        return _train_here(cfg, run_dir, resume=False)
+def start(prepared: PreparedRun) -> int:
+    """Freeze the prepared run and train it: here when this process is a worker (one process, or a rank
+    of an outside launcher), else in workers under DeepSpeed's launcher. Returns the exit code."""
+    with _discard_new_run_dir_on_bad_input(prepared):
+        freeze(prepared)
+        if not needs_relaunch(prepared.cfg):
+            return train_here(prepared.cfg, prepared.run_dir, prepared.resume)
+        code = relaunch(prepared.cfg, worker_args(prepared.run_dir, prepared.resume))
+        if code == EXIT_BAD_INPUT:  # the workers rejected their input and said why
+            _discard_if_new(prepared)
+        return code
 
 
-BAD_INPUT = 2  # the CLI's exit code for bad input (ConfigError), also what the workers exit with
+def worker_args(run_dir: Path, resume: bool) -> list[str]:
+    """The hidden `llmtrain worker` verb: train from the frozen RUN_DIR/config.yaml."""
+    return ["worker", str(run_dir), *(["--resume"] if resume else [])]
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """Cheap checks of the files a run reads, before anything is created or launched."""
-    from llmtrain.data import prepare, sources
-    from llmtrain.data import tokenizer as toks
-
-    source = cfg.data.source
-    if source and not sources.is_hub_name(source) and not prepare.is_prepared_dir(source):
-        files = sources.local_files(source, flag="--data")
-        if all(path.stat().st_size == 0 for path in files):
-            raise ConfigError(f"--data {source}: empty source (no text); point it at non-empty files")
-    if cfg.data.tokenizer:
-        tok = toks.load_tokenizer(cfg.data.tokenizer)
-        prepare.check_vocab(toks.vocab_size(tok), cfg.model.vocab_size, f"--tokenizer {cfg.data.tokenizer}")
-
-
-@contextlib.contextmanager
-def _discard_new_run_dir_on_bad_input(run_dir: Path, existed: bool) -> Iterator[None]:
-    """A run that never started because of bad input leaves no run directory a later command would
-    take for a real run."""
-    from llmtrain.checkpoint import CheckpointError
-
-    try:
-        yield
-    except (ConfigError, CheckpointError):
-        _discard_if_new(run_dir, existed)
-        raise
-
-
-def _discard_if_new(run_dir: Path, existed: bool) -> None:
-    """Remove `run_dir` if this command created it and it holds no checkpoint."""
-    from llmtrain.run import rundir
-
-    if not existed and not rundir.has_checkpoints(run_dir):
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def start_resume(run_dir: Path, overrides: dict[str, object] | None) -> int:
-    """`llmtrain resume RUN_DIR`: the saved config, with only the keys in RESUME_MAY_CHANGE changed."""
-    from llmtrain import checkpoint
-    from llmtrain import config as config_mod
-    from llmtrain.run import rundir
-
-    saved = load_saved_config(run_dir)
-    cfg = saved
-    if overrides:
-        cfg = config_mod.resolve(run_dir / rundir.CONFIG_FILE, overrides["sets"], overrides["flags"])  # type: ignore[arg-type]
-        refuse_breaking_changes(saved, cfg, run_dir)
-    cfg.run_dir = str(run_dir)
-    if not rundir.has_checkpoints(run_dir):
-        raise ConfigError(
-            f"{run_dir}: no checkpoint to resume from; start it with `llmtrain train --run-dir {run_dir}`"
-        )
-    # A `latest` that is no tag or leads outside the run is refused here, before any process starts.
-    checkpoint.read_latest(rundir.checkpoint_root(run_dir))
-    check_launch(cfg)
-    if needs_relaunch(cfg):
-        _write_config(run_dir, cfg)
-        return relaunch(cfg, ["resume", str(run_dir)])
-    return _train_here(cfg, run_dir, resume=True)
-
-
-def load_saved_config(run_dir: Path) -> TrainConfig:
-    from llmtrain import config as config_mod
-    from llmtrain.run import rundir
-
-    path = run_dir / rundir.CONFIG_FILE
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: no such run directory; list runs with `llmtrain runs`")
-    if not path.is_file():
-        raise ConfigError(
-            f"{run_dir}: not a run directory (no {rundir.CONFIG_FILE}); pass the RUN_DIR of a run"
-        )
-    return config_mod.load_run_config(path)
-
-
-def refuse_breaking_changes(saved: TrainConfig, new: TrainConfig, run_dir: Path) -> None:
-    from llmtrain.config import _flatten, to_dict
-
-    old_flat, new_flat = _flatten(to_dict(saved)), _flatten(to_dict(new))
-    changed = [k for k in new_flat if old_flat.get(k) != new_flat[k] and k != "run_dir"]
-    breaking = [k for k in changed if not k.startswith(RESUME_MAY_CHANGE)]
-    if breaking:
-        diff = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat[k]!r}" for k in breaking)
-        raise ConfigError(
-            f"resume {run_dir}: these changes would break an exact continuation: {diff}; "
-            f"start a new run instead (only {', '.join(k.rstrip('.') for k in RESUME_MAY_CHANGE)} may change)"
-        )
-
-
-def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
-    from llmtrain.config import dump_yaml
-    from llmtrain.run import rundir
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    rundir.write_atomic(run_dir / rundir.CONFIG_FILE, dump_yaml(cfg))
-
-
-def _world_size(cfg: TrainConfig) -> int:
-    """The launcher's world size when inside one (torchrun --nnodes 2 runs `train --gpus 1` twice), else
-    the one --gpus x --nodes asks for."""
-    return int(os.environ["WORLD_SIZE"]) if _inside_launcher() else cfg.world_size
-
-
-def _inside_launcher() -> bool:
-    from llmtrain.parallel.distributed import inside_launcher
-
-    return inside_launcher()
-
-
-def _train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
+def train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
     from llmtrain.train import trainer
 
     quiet_worker_output()
     summary = trainer.run(cfg, run_dir, resume=resume)
     return 0 if summary is not None else 1
+
+
+@contextlib.contextmanager
+def _discard_new_run_dir_on_bad_input(prepared: PreparedRun) -> Iterator[None]:
+    """A run that never started because of bad input leaves no run directory a later command would
+    take for a real run."""
+    try:
+        yield
+    except BadInput:
+        _discard_if_new(prepared)
+        raise
+
+
+def _discard_if_new(prepared: PreparedRun) -> None:
+    """Remove the run directory if this command created it and it holds no checkpoint."""
+    if prepared.new_dir and not rundir.has_checkpoints(prepared.run_dir):
+        shutil.rmtree(prepared.run_dir, ignore_errors=True)

@@ -1,10 +1,10 @@
 """The run directory: everything needed to understand and resume a run.
 
-RUN_DIR/config.yaml       the fully resolved TrainConfig (what `resume` reloads)
+RUN_DIR/config.yaml       the frozen TrainConfig (written by run.prepare.freeze; workers and `resume` read it)
 RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize
 RUN_DIR/environment.json  library versions, git sha, hardware, world size
-RUN_DIR/metrics.jsonl     one record per logged step (metrics.py)
-RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (checkpoint.py)
+RUN_DIR/metrics.jsonl     one record per logged step (train/metrics.py)
+RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (the checkpoint package)
 RUN_DIR/tokenizer.json    the tokenizer the data was prepared with (generate / eval / export use it)
 """
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config import ConfigError, TrainConfig, dump_yaml
+from llmtrain.config import ConfigError, TrainConfig, dump_yaml, load_run_config
 from llmtrain.fsutil import write_atomic
 
 CONFIG_FILE = "config.yaml"
@@ -55,10 +55,25 @@ def refuse_fresh_run_over_checkpoints(run_dir: Path) -> None:
         )
 
 
-def write_run_files(run_dir: Path, cfg: TrainConfig, ds_config: dict[str, Any], world_size: int) -> None:
-    """Rank 0 only: config.yaml, ds_config.json and environment.json, each written atomically."""
+def write_config(run_dir: Path, cfg: TrainConfig) -> None:
+    """RUN_DIR/config.yaml, the frozen config (written only by run.prepare.freeze)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / CONFIG_FILE, dump_yaml(cfg))
+
+
+def load_saved_config(run_dir: Path) -> TrainConfig:
+    """The frozen config of the run in `run_dir`; bad input naming the directory when it is not a run."""
+    path = run_dir / CONFIG_FILE
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory; list runs with `llmtrain runs`")
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no {CONFIG_FILE}); pass the RUN_DIR of a run")
+    return load_run_config(path)
+
+
+def write_run_files(run_dir: Path, ds_config: dict[str, Any], world_size: int) -> None:
+    """Rank 0 only: ds_config.json and environment.json, each written atomically."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / DS_CONFIG_FILE, json.dumps(ds_config, indent=2) + "\n")
     write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
 

@@ -7,12 +7,10 @@ the others in a collective.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -23,25 +21,19 @@ import torch
 
 from llmtrain import checkpoint
 from llmtrain.config import TrainConfig, to_dict
+from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
-from llmtrain.data.prepare import PreparedData, ensure_prepared
-from llmtrain.engine import dsconfig
+from llmtrain.data.shards import PreparedData
+from llmtrain.engine import ds_engine, dsconfig
 from llmtrain.errors import RunFailure
-from llmtrain.model import Llama, build_model
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
 from llmtrain.run import rundir
 from llmtrain.train import faults, schedule
+from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger
 from llmtrain.train.stability import StabilityGuard, Verdict
-
-
-@dataclass
-class Counters:
-    """Plain-data progress, saved in every checkpoint."""
-
-    step: int = 0  # optimizer steps completed (skipped ones included: the data moved on)
-    tokens: int = 0  # tokens consumed
+from llmtrain.train.state import Counters, RngState, StateRegistry
 
 
 @dataclass
@@ -100,18 +92,17 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
 
 
 def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -> Trainer:
-    schedule.check_schedule(cfg)
     _seed_everything(cfg.train.seed)
     root = rundir.checkpoint_root(run_dir)
     choice = checkpoint.choose_checkpoint(root, cfg.checkpoint.strict) if resume else None
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
     ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
     if world.is_main:
-        rundir.write_run_files(run_dir, cfg, ds_config, world.world_size)
+        rundir.write_run_files(run_dir, ds_config, world.world_size)
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
         rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
-    engine = _build_engine(cfg, ds_config, world)
+    engine = ds_engine.build_engine(cfg, ds_config, world.device)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
         # Saved at another world size: DeepSpeed's universal format re-partitions the states.
@@ -127,54 +118,10 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _build_engine(cfg: TrainConfig, ds_config: dict[str, Any], world: World) -> Any:
-    import deepspeed
-
-    model = build_model(cfg.model, device=world.device, seed=cfg.train.seed)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
-    if cfg.train.compile:
-        model.compile_blocks()
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config
-    )
-    return engine
-
-
-def param_groups(model: Llama, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on weight matrices only: not on norms, not on the (possibly tied) embedding."""
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    seen: set[int] = set()
-    for name, param in model.named_parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        is_matrix = param.ndim >= 2 and not name.startswith("embed_tokens")
-        (decay if is_matrix else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-@contextlib.contextmanager
-def _update_suppressed(optimizer: Any, suppress: bool) -> Iterator[None]:
-    """Stage 0 fp32: the bare torch optimizer must not see a non-finite gradient. DeepSpeed's step still
-    runs (clipping, zero_grad, step counters stay in line); only the optimizer's update is a no-op.
-    (Setting the gradients to None instead makes DeepSpeed's fp32 clipping fail on an empty list.)"""
-    if not suppress:
-        yield
-        return
-    optimizer.step = lambda *args, **kwargs: None  # shadows the class's step for this one call
-    try:
-        yield
-    finally:
-        del optimizer.step
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Any, prepared: PreparedData):
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
+        self.hooks = Hooks(faults.hooks_from_env(world.rank))  # fault injection when LLMTRAIN_FAULTS is set
         self.ckpt_root = rundir.checkpoint_root(run_dir)
         self.loader = TrainLoader(
             prepared,
@@ -195,8 +142,17 @@ class Trainer:
         self.signal = StopSignal()
         self.last_save_time = time.monotonic()
         self.last_saved_step = -1
-        self.faults = faults.from_env(world.rank)
+        self.state = self._register_state()
         self.metrics: MetricsLogger | None = None
+
+    def _register_state(self) -> StateRegistry:
+        """Everything a checkpoint brings back, registered once; restored in this order."""
+        state = StateRegistry()
+        state.register(checkpoint.RNG_KEY, RngState(), saved_by_checkpoint=True)
+        state.register("counters", self.counters, top_level=True)  # `step`, `tokens` at the top level
+        state.register("loader", self.loader)
+        state.register("guard", self.guard)
+        return state
 
     def _val_batches(self, prepared: PreparedData) -> list[dict[str, torch.Tensor]]:
         if not self.cfg.train.eval_every:
@@ -218,6 +174,7 @@ class Trainer:
             rank=self.world.rank,
             resume_step=self.counters.step,
             device=self.world.device,
+            world_size=self.world.world_size,  # the process group's, whatever --gpus said
         )
 
     # ------------------------------------------------------------ the loop
@@ -264,19 +221,19 @@ class Trainer:
         self.engine.backward(loss * float("nan") if verdict.skip else loss)
         plain_norm = self._plain_grad_norm()
         bad_plain_grads = plain_norm is not None and not math.isfinite(plain_norm)
-        with _update_suppressed(self.engine.optimizer, bad_plain_grads):
+        with ds_engine.update_suppressed(self.engine.optimizer, bad_plain_grads):
             self.engine.step()
         grad_norm = plain_norm if self._plain_optimizer() else self._engine_grad_norm()
         if not verdict.skip:
             verdict = self._judge_after_update(mean_loss, grad_norm)
-        self.faults.after_step(self.counters.step)
+        self.hooks.after_step(self.counters.step)
         return StepResult(mean_loss, grad_norm, lr, verdict, save_due, stop)
 
     # ------------------------------------------------------------ step helpers
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = self.engine(**{k: v.to(self.world.device, non_blocking=True) for k, v in batch.items()})
-        return self.faults.corrupt_loss(loss, self.counters.step)
+        return self.hooks.on_forward(loss, self.counters.step)
 
     def _set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
@@ -334,7 +291,7 @@ class Trainer:
             return Verdict(skip=False, reason=f"{verdict.reason}; update already applied", spike=True)
         return verdict
 
-    # ------------------------------------------------------------ hooks
+    # ------------------------------------------------------------ logging and evaluation
 
     def log(self, result: StepResult) -> None:
         assert self.metrics is not None
@@ -372,14 +329,8 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def client_state(self) -> dict[str, Any]:
-        return {
-            "step": self.counters.step,
-            "tokens": self.counters.tokens,
-            "loader": self.loader.state_dict(),
-            "guard": self.guard.state_dict(),
-            "config": to_dict(self.cfg),
-            "world_size": self.world.world_size,
-        }
+        """The registered state (RNG aside: checkpoint.save adds it), and what the run was saved with."""
+        return {**self.state.state_dict(), "config": to_dict(self.cfg), "world_size": self.world.world_size}
 
     def save(self) -> None:
         assert self.metrics is not None
@@ -393,7 +344,7 @@ class Trainer:
             keep=self.cfg.checkpoint.keep,
             keep_every=self.cfg.checkpoint.keep_every,
         )
-        self.faults.after_save()
+        self.hooks.after_save()
         self.last_save_time = time.monotonic()
         if result.ok:
             self.last_saved_step = self.counters.step
@@ -405,12 +356,7 @@ class Trainer:
 
     def restore(self, tag: str, warnings: list[str]) -> None:
         state = checkpoint.load(self.engine, self.ckpt_root, tag)
-        rng = state.pop("rng", None)
-        if rng is not None:
-            checkpoint.restore_rng(rng)
-        self.counters = Counters(step=int(state["step"]), tokens=int(state["tokens"]))
-        self.loader.load_state_dict(state["loader"])
-        self.guard.load_state_dict(state["guard"])
+        self.state.load_state_dict(state, where=str(checkpoint.checkpoint_dir(self.ckpt_root, tag)))
         self.last_saved_step = self.counters.step
         if self.world.is_main:
             for warning in warnings:

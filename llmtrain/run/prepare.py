@@ -1,0 +1,183 @@
+"""Prepare a run once, before any worker starts: resolve, check, apply the resume rules, derive, freeze.
+
+`llmtrain train` and `llmtrain resume` prepare in the process the user started; under an outside
+launcher (torchrun, Slurm's srun) every rank prepares and all reach the same result. What comes out is
+frozen: `freeze` writes RUN_DIR/config.yaml (its one writer), and the workers DeepSpeed's launcher
+starts (`llmtrain worker RUN_DIR`) read it back and derive nothing again.
+
+    train:  flags -> config.resolve -> inputs checked -> derived numbers fixed -> PreparedRun
+    resume: RUN_DIR/config.yaml (+ --config/--set/flags under RESUME_MAY_CHANGE) -> checked -> PreparedRun
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtrain import config as config_mod
+from llmtrain.config import ConfigError, TrainConfig, flag_for
+from llmtrain.parallel import rules
+from llmtrain.parallel.distributed import inside_launcher
+from llmtrain.run import rundir
+from llmtrain.train import faults, schedule
+
+# Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
+RESUME_MAY_CHANGE = (
+    "train.steps",
+    "train.tokens",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.micro_batch",
+    "checkpoint.",
+    "logging.",
+    "launch.",
+    "data.num_proc",
+    "data.cache_dir",
+    "stability.max_consecutive_skips",
+)
+
+
+@dataclass(frozen=True)
+class ConfigChanges:
+    """What the user typed besides the verb: --config FILE, --set items, first-class flags."""
+
+    config_file: Path | None
+    sets: list[str]
+    flags: dict[str, Any]
+
+    @property
+    def given(self) -> bool:
+        return bool(self.config_file or self.sets or any(v is not None for v in self.flags.values()))
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    cfg: TrainConfig
+    run_dir: Path
+    resume: bool
+    new_dir: bool  # this command creates run_dir: a run refused for bad input removes it again
+
+
+def prepare_train(cfg: TrainConfig, resume_auto: bool) -> PreparedRun:
+    """`llmtrain train`: a fresh run (or, with --resume auto, a resume when a checkpoint exists)."""
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else rundir.default_run_dir(cfg)
+    cfg.run_dir = str(run_dir)
+    if resume_auto and rundir.has_checkpoints(run_dir):
+        return prepare_resume(run_dir, None)
+    if not inside_launcher():
+        rundir.refuse_fresh_run_over_checkpoints(run_dir)
+    check_launch(cfg)
+    check_inputs(cfg)
+    derive(cfg)
+    return PreparedRun(cfg, run_dir, resume=False, new_dir=not run_dir.exists())
+
+
+def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
+    """`llmtrain resume RUN_DIR`: the saved config, with only the keys in RESUME_MAY_CHANGE changed."""
+    from llmtrain import checkpoint
+
+    saved = rundir.load_saved_config(run_dir)
+    cfg = saved
+    if changes is not None and changes.given:
+        cfg = config_mod.resolve(changes.config_file, changes.sets, changes.flags, base=saved)
+        refuse_breaking_changes(saved, cfg, run_dir)
+    cfg.run_dir = str(run_dir)
+    if not rundir.has_checkpoints(run_dir):
+        raise ConfigError(
+            f"{run_dir}: no checkpoint to resume from; start it with `llmtrain train --run-dir {run_dir}`"
+        )
+    # A `latest` that is no tag or leads outside the run is refused here, before any process starts.
+    checkpoint.read_latest(rundir.checkpoint_root(run_dir))
+    check_launch(cfg)
+    schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
+    return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
+
+
+def derive(cfg: TrainConfig) -> None:
+    """Fix the derived numbers in the config, so that a resume on another world size keeps them: the
+    global batch (from the launcher's world size when inside one: torchrun --nnodes 2 runs
+    `train --gpus 1` twice) and the warmup; then check the schedule against the run's length."""
+    world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else cfg.world_size
+    cfg.train.global_batch = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, world_size)[0]
+    cfg.schedule.warmup_steps = cfg.warmup_steps
+    schedule.check_schedule(cfg)
+
+
+def freeze(prepared: PreparedRun) -> None:
+    """Write RUN_DIR/config.yaml, once, from the process that prepared (rank 0 under a launcher)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        rundir.write_config(prepared.run_dir, prepared.cfg)
+
+
+def refuse_breaking_changes(saved: TrainConfig, new: TrainConfig, run_dir: Path) -> None:
+    old_flat, new_flat = config_mod.flat_dict(saved), config_mod.flat_dict(new)
+    changed = [k for k in new_flat if old_flat.get(k) != new_flat[k] and k != "run_dir"]
+    breaking = [k for k in changed if not k.startswith(RESUME_MAY_CHANGE)]
+    if breaking:
+        diff = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat[k]!r}" for k in breaking)
+        raise ConfigError(
+            f"resume {run_dir}: these changes would break an exact continuation: {diff}; "
+            f"start a new run instead (only {', '.join(k.rstrip('.') for k in RESUME_MAY_CHANGE)} may change)"
+        )
+
+
+# ---------------------------------------------------------------- inputs checked before anything starts
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Cheap checks of the files a run reads, before anything is created or launched."""
+    from llmtrain.data import shards, sources
+    from llmtrain.data import tokenizer as toks
+
+    source = cfg.data.source
+    if source and not sources.is_hub_name(source) and not shards.is_prepared_dir(source):
+        files = sources.local_files(source, flag="--data")
+        if all(path.stat().st_size == 0 for path in files):
+            raise ConfigError(f"--data {source}: empty source (no text); point it at non-empty files")
+    if cfg.data.tokenizer:
+        tok = toks.load_tokenizer(cfg.data.tokenizer)
+        shards.check_vocab(toks.vocab_size(tok), cfg.model.vocab_size, f"--tokenizer {cfg.data.tokenizer}")
+    faults.parse(os.environ.get(faults.ENV, ""))  # the reliability tests' fault plan, checked up front
+
+
+_HOSTFILE_LINE = re.compile(r"^\s*(\S+)\s+slots\s*=\s*(\d+)\s*$")
+
+
+def read_hostfile(path: str) -> dict[str, int]:
+    """DeepSpeed's hostfile: `hostname slots=N` per line; # comments and blank lines allowed."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--hostfile {path}: file not found; write one `hostname slots=N` line per node")
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        text = line.split("#", 1)[0]
+        if not text.strip():
+            continue
+        match = _HOSTFILE_LINE.match(text)
+        if not match or int(match.group(2)) < 1:
+            raise ConfigError(
+                f"--hostfile {path}:{number}: expected `hostname slots=N` with N >= 1, got {line.strip()!r}"
+            )
+        if match.group(1) in hosts:
+            raise ConfigError(f"--hostfile {path}:{number}: host {match.group(1)} listed twice")
+        hosts[match.group(1)] = int(match.group(2))
+    if not hosts:
+        raise ConfigError(f"--hostfile {path}: no hosts listed; write one `hostname slots=N` line per node")
+    return hosts
+
+
+def check_launch(cfg: TrainConfig) -> None:
+    """Launch settings that can be checked before anything starts."""
+    launch = cfg.launch
+    if launch.hostfile is not None:
+        hosts = read_hostfile(launch.hostfile)
+        if launch.nodes > len(hosts):
+            raise ConfigError(
+                f"{flag_for('launch.nodes')}: {launch.nodes} nodes asked for but {launch.hostfile} lists "
+                f"{len(hosts)}; add hosts or lower --nodes"
+            )
+    elif launch.nodes > 1:
+        raise ConfigError(f"{flag_for('launch.nodes')}: {launch.nodes} nodes need --hostfile listing them")
