@@ -175,7 +175,7 @@ class HostReads(TorchFunctionMode):
         if getattr(func, "__name__", "") in _HOST_READS:
             code = sys._getframe(1).f_code
             path = Path(code.co_filename)
-            if path.parent == _PACKAGE:
+            if _PACKAGE in path.parents:
                 self.where[f"{path.stem}.{code.co_name}"] += 1
         return func(*args, **(kwargs or {}))
 

@@ -120,8 +120,17 @@ def test_only_rank_0_freezes_the_config(tmp_path: Path, monkeypatch: pytest.Monk
     prepare.freeze(prepared)
     assert not (tmp_path / "run").exists()
     monkeypatch.setenv("RANK", "0")
-    prepare.freeze(prepared)
+    undo = prepare.freeze(prepared)
     assert rundir.load_saved_config(tmp_path / "run") == cfg
+    undo()  # a run refused after freezing leaves no config.yaml it did not find
+    assert not (tmp_path / "run" / rundir.CONFIG_FILE).exists()
+
+    before = "preset: debug\n"
+    (tmp_path / "run" / rundir.CONFIG_FILE).write_text(before)
+    undo = prepare.freeze(prepared)
+    assert (tmp_path / "run" / rundir.CONFIG_FILE).read_text() != before
+    undo()  # ... and puts back the one it replaced (`resume --strict` refused: the run is untouched)
+    assert (tmp_path / "run" / rundir.CONFIG_FILE).read_text() == before
 
 
 # ---------------------------------------------------------------- one ZeRO knob, every consumer

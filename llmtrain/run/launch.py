@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -131,15 +131,19 @@ def _is_worker(proc: object) -> bool:
 
 def start(prepared: PreparedRun) -> int:
     """Freeze the prepared run and train it: here when this process is a worker (one process, or a rank
-    of an outside launcher), else in workers under DeepSpeed's launcher. Returns the exit code."""
-    with _discard_new_run_dir_on_bad_input(prepared):
-        freeze(prepared)
+    of an outside launcher), else in workers under DeepSpeed's launcher. Returns the exit code. A run
+    refused for bad input (here, or by the workers: exit 2) leaves the run directory as it found it."""
+    undo_freeze = freeze(prepared)
+    try:
         if not needs_relaunch(prepared.cfg):
             return train_here(prepared.cfg, prepared.run_dir, prepared.resume)
         code = relaunch(prepared.cfg, worker_args(prepared.run_dir, prepared.resume))
-        if code == EXIT_BAD_INPUT:  # the workers rejected their input and said why
-            _discard_if_new(prepared)
-        return code
+    except BadInput:
+        _undo(prepared, undo_freeze)
+        raise
+    if code == EXIT_BAD_INPUT:  # the workers rejected their input and said why
+        _undo(prepared, undo_freeze)
+    return code
 
 
 def worker_args(run_dir: Path, resume: bool) -> list[str]:
@@ -155,18 +159,10 @@ def train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
     return 0 if summary is not None else 1
 
 
-@contextlib.contextmanager
-def _discard_new_run_dir_on_bad_input(prepared: PreparedRun) -> Iterator[None]:
-    """A run that never started because of bad input leaves no run directory a later command would
-    take for a real run."""
-    try:
-        yield
-    except BadInput:
-        _discard_if_new(prepared)
-        raise
-
-
-def _discard_if_new(prepared: PreparedRun) -> None:
-    """Remove the run directory if this command created it and it holds no checkpoint."""
+def _undo(prepared: PreparedRun, undo_freeze: Callable[[], None]) -> None:
+    """Remove the run directory if this command created it (and it holds no checkpoint); else put back
+    the config.yaml that freeze replaced (e.g. a `resume --strict` refused for a damaged checkpoint)."""
     if prepared.new_dir and not rundir.has_checkpoints(prepared.run_dir):
         shutil.rmtree(prepared.run_dir, ignore_errors=True)
+    else:
+        undo_freeze()

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmtrain import config as config_mod
 from llmtrain.config import ConfigError, TrainConfig, flag_for
+from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
 from llmtrain.run import rundir
@@ -106,10 +108,22 @@ def derive(cfg: TrainConfig) -> None:
     schedule.check_schedule(cfg)
 
 
-def freeze(prepared: PreparedRun) -> None:
-    """Write RUN_DIR/config.yaml, once, from the process that prepared (rank 0 under a launcher)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        rundir.write_config(prepared.run_dir, prepared.cfg)
+def freeze(prepared: PreparedRun) -> Callable[[], None]:
+    """Write RUN_DIR/config.yaml, once, from the process that prepared (rank 0 under a launcher).
+    Returns what undoes it (the replaced file put back, or the new one removed) for a run refused later."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return lambda: None
+    path = prepared.run_dir / rundir.CONFIG_FILE
+    previous = path.read_text() if path.is_file() else None
+    rundir.write_config(prepared.run_dir, prepared.cfg)
+
+    def undo() -> None:
+        if previous is None:
+            path.unlink(missing_ok=True)
+        else:
+            write_atomic(path, previous)
+
+    return undo
 
 
 def refuse_breaking_changes(saved: TrainConfig, new: TrainConfig, run_dir: Path) -> None:
