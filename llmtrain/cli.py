@@ -63,11 +63,11 @@ def _flag_param(flag: str, key: str) -> inspect.Parameter:
     tp = config_mod.all_keys()[key]
     help_text = config_mod.key_help()[key]
     name = flag.lstrip("-").replace("-", "_")
-    if config_mod._base_type(tp) is bool:
+    if config_mod.base_type(tp) is bool:
         option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
         annotation: Any = Annotated[bool | None, option]
     else:
-        metavar = config_mod._type_name(tp).replace(" or none", "").upper().replace(" ", "")
+        metavar = config_mod.type_name(tp).replace(" or none", "").upper().replace(" ", "")
         option = typer.Option(flag, help=help_text, metavar=metavar, show_default=False)
         annotation = Annotated[str | None, option]
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
@@ -177,7 +177,7 @@ def _print_keys() -> None:
         flag = config_mod.flag_for(key)
         via = f" ({flag})" if not flag.startswith("--set") else ""
         print(
-            f"{key}{via}: {config_mod._type_name(keys[key])} = {config_mod.get(config_mod.TrainConfig(), key)!r}"
+            f"{key}{via}: {config_mod.type_name(keys[key])} = {config_mod.get(config_mod.TrainConfig(), key)!r}"
         )
         print(f"    {helps[key]}")
 
@@ -313,7 +313,8 @@ def worker_cmd(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
 ) -> None:
     """One worker of a run prepared by `train` or `resume` (started by DeepSpeed's launcher)."""
-    from llmtrain.run import launch, rundir
+    from llmtrain import rundir
+    from llmtrain.run import launch
 
     _exit_with(launch.train_here(rundir.load_saved_config(run_dir), run_dir, resume))
 

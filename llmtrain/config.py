@@ -259,14 +259,14 @@ def _is_optional(tp: Any) -> bool:
     return get_origin(tp) in (Union, types.UnionType) and type(None) in get_args(tp)
 
 
-def _base_type(tp: Any) -> Any:
+def base_type(tp: Any) -> Any:
     if _is_optional(tp):
         return next(a for a in get_args(tp) if a is not type(None))
     return tp
 
 
-def _type_name(tp: Any) -> str:
-    base = _base_type(tp)
+def type_name(tp: Any) -> str:
+    base = base_type(tp)
     if get_origin(base) is Literal:
         name = " | ".join(str(a) for a in get_args(base))
     else:
@@ -277,17 +277,17 @@ def _type_name(tp: Any) -> str:
 def coerce(key: str, value: Any, where: str) -> Any:
     """Parse a string (from --set or a flag) or check a YAML value against the key's type."""
     tp = _check_key(key)
-    base = _base_type(tp)
+    base = base_type(tp)
     if get_origin(base) is Literal and str(value).strip() in map(str, get_args(base)):
         return _coerce_to(base, value)  # a choice may itself be spelled "none"
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
         if _is_optional(tp):
             return None
-        raise ConfigError(f"{where}: {key} needs a value of type {_type_name(tp)}")
+        raise ConfigError(f"{where}: {key} needs a value of type {type_name(tp)}")
     try:
         return _coerce_to(base, value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {key} must be {_type_name(tp)}, got {value!r}") from None
+        raise ConfigError(f"{where}: {key} must be {type_name(tp)}, got {value!r}") from None
 
 
 def _coerce_to(base: Any, value: Any) -> Any:

@@ -29,12 +29,12 @@ import torch
 from tokenizers import Tokenizer
 
 from llmtrain import checkpoint as ckpt
+from llmtrain import rundir
 from llmtrain.config import ConfigError, TrainConfig
 from llmtrain.data import tokenizer as toks
 from llmtrain.data.shards import PreparedData
 from llmtrain.export import strip_wrapper_prefixes
 from llmtrain.model import Llama, build_model
-from llmtrain.run import rundir
 
 
 @dataclass(frozen=True)

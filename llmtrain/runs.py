@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import checkpoint as ckpt
-from llmtrain import units
+from llmtrain import rundir, units
 from llmtrain.config import ConfigError
-from llmtrain.run import rundir
 from llmtrain.train.metrics import METRICS_FILE, read_metrics
 
 

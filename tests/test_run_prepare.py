@@ -14,9 +14,10 @@ import pytest
 import yaml
 from trained_run import STEPS, trained_run
 
+from llmtrain import rundir
 from llmtrain.cli import main
 from llmtrain.config import ConfigError, resolve
-from llmtrain.run import prepare, rundir
+from llmtrain.run import prepare
 from llmtrain.train.metrics import METRICS_FILE, read_metrics
 
 

@@ -159,7 +159,7 @@ def test_run_names_cannot_be_paths(
 
 def test_the_environment_file_records_no_environment_variables() -> None:
     """environment.json is built from an allow-list of facts, not from os.environ."""
-    code = "import json, llmtrain.run.rundir as r; print(json.dumps(r.environment(1)))"
+    code = "import json, llmtrain.rundir as r; print(json.dumps(r.environment(1)))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **SECRETS, "DS_ACCELERATOR": "cpu"},

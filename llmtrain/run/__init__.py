@@ -1,1 +1,1 @@
-"""A run's lifecycle: prepare (resolve, check, derive, freeze), launch the workers, the run directory."""
+"""A run's lifecycle: prepare (resolve, check, derive, freeze), then launch the workers."""

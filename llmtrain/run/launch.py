@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from llmtrain import rundir
 from llmtrain.config import TrainConfig
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
 from llmtrain.parallel.distributed import inside_launcher
-from llmtrain.run import rundir
 from llmtrain.run.prepare import PreparedRun, freeze
 
 

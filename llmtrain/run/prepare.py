@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import config as config_mod
+from llmtrain import rundir
 from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
-from llmtrain.run import rundir
 from llmtrain.train import faults, schedule
 
 # Keys a resume may change without breaking exactness: run length, cadences, logging, launch.

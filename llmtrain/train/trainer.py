@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain import checkpoint
+from llmtrain import checkpoint, rundir
 from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
@@ -28,7 +28,6 @@ from llmtrain.engine import ds_engine, dsconfig
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
-from llmtrain.run import rundir
 from llmtrain.train import faults, schedule
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger

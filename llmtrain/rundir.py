@@ -109,7 +109,7 @@ def environment(world_size: int) -> dict[str, Any]:
 
 
 def _git_sha() -> str | None:
-    here = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False
