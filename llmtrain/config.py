@@ -21,7 +21,7 @@ import yaml
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
-from llmtrain.parallel import rules
+from llmtrain.parallel import layout, rules
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
 
 
@@ -121,6 +121,16 @@ class ZeroConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The model-parallel degrees; data parallelism takes the rest of the world (dp = world / (tp * sp))."""
+
+    tp: int = _f(1, "tensor-parallel degree: attention heads and MLP columns split over this many ranks")
+    sp: int = _f(
+        1, "sequence-parallel degree (Ulysses): each rank holds seq_len / sp tokens of every sequence"
+    )
+
+
+@dataclass
 class CheckpointSection:
     save_every: int | None = _f(None, "save every N steps")
     save_every_minutes: float | None = _f(None, "save every N minutes of wall time")
@@ -174,6 +184,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainSection = field(default_factory=TrainSection)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     stability: StabilityConfig = field(default_factory=StabilityConfig)
@@ -185,8 +196,13 @@ class TrainConfig:
         return self.launch.gpus * self.launch.nodes
 
     @property
+    def data_parallel(self) -> int:
+        """Ranks that see distinct samples: tp and sp ranks of one group share theirs."""
+        return max(1, self.world_size // (self.parallel.tp * self.parallel.sp))
+
+    @property
     def global_batch(self) -> int:
-        return self.train.global_batch or self.train.micro_batch * self.world_size
+        return self.train.global_batch or self.train.micro_batch * self.data_parallel
 
     @property
     def tokens_per_step(self) -> int:
@@ -537,7 +553,8 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(cfg.launch.nodes > 0, "launch.nodes", f"must be at least 1, got {cfg.launch.nodes}")
     if t.global_batch is not None:
         _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
-    rules.batch_triple(t.micro_batch, t.global_batch, cfg.world_size)
+    layout.check(layout.Layout.of(cfg), cfg)
+    rules.batch_triple(t.micro_batch, t.global_batch, cfg.data_parallel)
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
@@ -552,7 +569,7 @@ def _validate_train(cfg: TrainConfig) -> None:
 def _validate_zero(cfg: TrainConfig) -> None:
     z = cfg.zero
     _require(z.stage in (0, 1, 2, 3), "zero.stage", f"invalid stage {z.stage}; valid values: 0, 1, 2, 3")
-    rules.check(rules.Choice(z.stage, z.offload, cfg.train.precision))
+    rules.check(rules.choice_of(cfg))
     _require(
         not (z.offload == "nvme" and not z.nvme_path),
         "zero.nvme_path",

@@ -13,6 +13,8 @@ FLAG_KEYS: dict[str, str] = {
     "--zero": "zero.stage",
     "--offload": "zero.offload",
     "--nvme-path": "zero.nvme_path",
+    "--tp": "parallel.tp",
+    "--sp": "parallel.sp",
     "--precision": "train.precision",
     "--micro-batch": "train.micro_batch",
     "--global-batch": "train.global_batch",

@@ -65,8 +65,8 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, heads, T, Hd], cos/sin [B, T, Hd] -> x rotated by its position."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    """x [B, T, heads, Hd], cos/sin [B, T, Hd] -> x rotated by its position."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
     return x * cos + rotate_half(x) * sin
 
 
@@ -112,40 +112,56 @@ def _sdpa_fp32(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Causal (or document-masked) attention of q [B, T, h, Hd] over k, v [B, T, k, Hd] -> [B, T, h, Hd].
+
+    The head counts are those of the caller's rank: all of them, H / tp under tensor parallelism, or
+    H / sp after Ulysses' all-to-all (which hands each rank whole sequences for its heads).
+    """
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, Hd]
+    grouped = k.shape[1] != q.shape[1]
+    if mask is None:
+        # Plain causal training: no mask tensor at all, so the flash kernel applies. enable_gqa lets
+        # the kernel share each K/V head across its query group without copying K/V H/K times.
+        y = sdpa(q, k, v, is_causal=True, enable_gqa=grouped)
+    else:
+        # Document masking: an explicit boolean mask. The fused kernels that take a mask do not take
+        # enable_gqa, so K/V are repeated here rather than falling back to the unfused math kernel.
+        if grouped:
+            repeats = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        y = sdpa(q, k, v, attn_mask=mask)
+    return y.transpose(1, 2)
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention through scaled_dot_product_attention (flash / fused kernels)."""
+    """Grouped-query self-attention through scaled_dot_product_attention (flash / fused kernels).
+
+    `ulysses`: under sequence parallelism, DeepSpeed's DistributedAttention around `attend`. Its
+    all-to-all turns this rank's T / sp positions of all heads into all T positions of H / sp heads
+    (and back), so `attend` sees whole sequences and the mask needs nothing of sp.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_proj = nn.Linear(d, cfg.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
+        self.ulysses: nn.Module | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Hd]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, Hd]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, K, T, Hd]
+        # -1 heads: tensor parallelism gives this rank H / tp query and K / tp key/value heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, h, Hd]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        grouped = self.num_kv_heads != self.num_heads
-        if mask is None:
-            # Plain causal training: no mask tensor at all, so the flash kernel applies. enable_gqa lets
-            # the kernel share each K/V head across its query group without copying K/V H/K times.
-            y = sdpa(q, k, v, is_causal=True, enable_gqa=grouped)
-        else:
-            # Document masking: an explicit boolean mask. The fused kernels that take a mask do not take
-            # enable_gqa, so K/V are repeated here rather than falling back to the unfused math kernel.
-            if grouped:
-                repeats = self.num_heads // self.num_kv_heads
-                k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-            y = sdpa(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # [B, T, H*Hd]
-        return self.o_proj(y)  # [B, T, D]
+        # Ulysses: batch dim 0, RoPE already applied (None).
+        y = attend(q, k, v, mask) if self.ulysses is None else self.ulysses(q, k, v, 0, None, mask)
+        return self.o_proj(y.reshape(B, T, -1))  # [B, T, D]
 
 
 class MLP(nn.Module):
@@ -214,6 +230,7 @@ class Llama(nn.Module):
         self.loss_chunk_rows = LOSS_CHUNK_ROWS
         self.init_seed: int | None = None  # the seed init_weights uses when none is passed
         self._checkpointed: frozenset[int] = frozenset()
+        self.sp_group: Any = None  # the sequence-parallel process group, when set_sequence_parallel ran
         if cfg.tie_word_embeddings:
             self.tie_weights()
             self.register_state_dict_post_hook(_drop_tied_lm_head)
@@ -237,26 +254,38 @@ class Llama(nn.Module):
         labels[b, t] is the target for position t (already shifted: the next token), IGNORE_INDEX to skip.
         doc_ids [B, T]: packed documents; attention stays inside each one and positions restart at 0.
         position_ids [B, T] or [T]: explicit RoPE positions for plain causal attention (default 0..T-1).
+        Under sequence parallelism every rank of the group passes the whole sequences and computes on
+        its slice; the loss returned is the whole sequences' mean on every rank.
         """
-        h = self.hidden_states(input_ids, doc_ids, position_ids)  # [B, T, D]
+        h = self.hidden_states(input_ids, doc_ids, position_ids)  # [B, T, D] ([B, T / sp, D] under sp)
         if labels is None:
+            if self.sp_group is not None:
+                raise ValueError(
+                    "logits are not gathered under sequence parallelism; pass labels for the loss"
+                )
             return self.lm_head(h)  # [B, T, V]
-        return self.chunked_loss(h, labels)
+        if self.sp_group is None:
+            return self.summed_loss(h, labels) / _label_count(labels)
+        return self._sequence_parallel_loss(h, labels)
 
     def hidden_states(
         self, input_ids: Tensor, doc_ids: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
-        """input_ids [B, T] -> final-normed hidden states [B, T, D]."""
+        """input_ids [B, T] -> final-normed hidden states [B, T, D] (this rank's [B, T / sp, D] under sp)."""
         B, T = input_ids.shape
-        x = self.embed_tokens(input_ids)  # [B, T, D]
         mask = None
         if doc_ids is not None:
             if position_ids is not None:
                 raise ValueError("pass doc_ids or position_ids, not both: doc_ids determine the positions")
-            position_ids, mask = document_positions_and_mask(doc_ids)
+            position_ids, mask = document_positions_and_mask(doc_ids)  # of the whole sequences
         elif position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)
         position_ids = position_ids.expand(B, T)
+        if self.sp_group is not None:
+            # This rank's slice, with its global RoPE positions; the mask stays whole, as attention
+            # runs over whole sequences after Ulysses' all-to-all.
+            input_ids, position_ids = self._local_slice(input_ids), self._local_slice(position_ids)
+        x = self.embed_tokens(input_ids)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [B, T, Hd]
         for i, block in enumerate(self.layers):
             if i in self._checkpointed and torch.is_grad_enabled():
@@ -265,8 +294,8 @@ class Llama(nn.Module):
                 x = block(x, cos, sin, mask)
         return self.norm(x)
 
-    def chunked_loss(self, h: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy of lm_head(h) against labels, a chunk of rows at a time.
+    def summed_loss(self, h: Tensor, labels: Tensor) -> Tensor:
+        """Summed cross-entropy of lm_head(h) against labels, a chunk of rows at a time.
 
         The full fp32 logits tensor [B*T, V] is never materialised: each chunk's logits are computed,
         upcast to fp32 and reduced to a summed loss inside torch.utils.checkpoint, so autograd keeps only
@@ -284,9 +313,36 @@ class Llama(nn.Module):
                 )
             else:
                 total = total + self._summed_loss(rows[chunk], targets[chunk])
-        # A batch whose labels are all ignored has loss 0 (and zero gradients) rather than NaN.
-        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return total / count
+        return total
+
+    # ------------------------------------------------------------ sequence parallelism
+
+    def set_sequence_parallel(self, group: Any) -> None:
+        """Split every sequence over the ranks of `group` (DeepSpeed Ulysses): each keeps T / sp tokens
+        of the activations; attention swaps sequence for heads by an all-to-all and back."""
+        from deepspeed.sequence.layer import DistributedAttention
+
+        self.sp_group = group
+        for block in self.layers:
+            assert isinstance(block, Block)
+            # [B, T/sp, heads, Hd] in and out: scatter the heads (dim 2), gather the sequence (dim 1).
+            block.self_attn.ulysses = DistributedAttention(attend, group, scatter_idx=2, gather_idx=1)
+
+    def _local_slice(self, t: Tensor) -> Tensor:  # [B, T] -> this rank's [B, T / sp]
+        import torch.distributed as dist
+
+        size, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
+        return t.chunk(size, dim=1)[rank]
+
+    def _sequence_parallel_loss(self, h: Tensor, labels: Tensor) -> Tensor:
+        """This rank's tokens' summed loss over the whole sequences' label count: the sp ranks' shares
+        add up to the mean, and DeepSpeed sums their gradients (it averages over dp ranks only)."""
+        import torch.distributed as dist
+
+        share = self.summed_loss(h, self._local_slice(labels)) / _label_count(labels)
+        whole = share.detach().clone()
+        dist.all_reduce(whole, group=self.sp_group)
+        return _ValueWithGradientOf.apply(share, whole)
 
     def _summed_loss(self, rows: Tensor, targets: Tensor) -> Tensor:  # [n, D], [n] -> fp32 scalar
         logits = self.lm_head(rows).float()  # [n, V]
@@ -340,6 +396,24 @@ class Llama(nn.Module):
         """
         for block in self.layers:
             block.compile(**compile_kwargs)
+
+
+def _label_count(labels: Tensor) -> Tensor:
+    # A batch whose labels are all ignored has loss 0 (and zero gradients) rather than NaN.
+    return (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+class _ValueWithGradientOf(torch.autograd.Function):
+    """Returns `value` and passes the incoming gradient to `x`: the loss every rank reports is the
+    whole sequences' one, while backward flows through this rank's own share only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, value: Tensor) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 def _drop_tied_lm_head(

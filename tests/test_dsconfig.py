@@ -46,7 +46,7 @@ def test_batch_triple_is_consistent() -> None:
             ds["gradient_accumulation_steps"],
         )
         assert triple == rules.batch_triple(2, 16, world) == expected
-    with pytest.raises(c.ConfigError, match="not divisible by micro-batch 2 x world size 3"):
+    with pytest.raises(c.ConfigError, match="not divisible by micro-batch 2 x data-parallel size 3"):
         dsconfig.build(cfg, 3)
     assert rules.batch_triple(4, None, 3) == (12, 4, 1)
 

@@ -12,18 +12,29 @@ import torch
 
 from llmtrain.config import TrainConfig
 from llmtrain.model import Llama, build_model
+from llmtrain.parallel.layout import Layout, process_groups
 
 
-def build_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device) -> Any:
-    """The model built on `device`, wrapped by deepspeed.initialize with the optimizer's param groups."""
+def build_engine(
+    cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device, world_size: int = 1
+) -> Any:
+    """The model built on `device`, wrapped by deepspeed.initialize with the optimizer's param groups
+    and the process groups of the run's layout over `world_size` ranks.
+
+    Every rank builds the whole model from the same seed; AutoTP then keeps each rank's slices, so a
+    tensor-parallel run starts from exactly the weights of a one-process run.
+    """
     import deepspeed
 
+    mpu = process_groups(Layout.of(cfg, world_size))
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
+    if cfg.parallel.sp > 1:
+        model.set_sequence_parallel(mpu.get_sequence_parallel_group())
     if cfg.train.compile:
         model.compile_blocks()
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config
+        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config, mpu=mpu
     )
     return engine
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.parallel import rules
+from llmtrain.parallel.layout import Layout
 
 # Buckets below this many elements only add per-collective latency: a whole small model fits in one.
 MIN_BUCKET_ELEMENTS = 1 << 20
@@ -40,8 +41,10 @@ def build(
     `load_universal`: the run resumes from a checkpoint converted to DeepSpeed's universal format
     (saved at another world size).
     """
-    rules.check(rules.Choice(cfg.zero.stage, cfg.zero.offload, cfg.train.precision, accelerator))
-    train_batch, micro, accum = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, world_size)
+    rules.check(rules.choice_of(cfg, accelerator))
+    layout = Layout.of(cfg, world_size)
+    # DeepSpeed counts the batch over its data-parallel ranks (the mpu's), as batch_triple does.
+    train_batch, micro, accum = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, layout.dp)
     ds: dict[str, Any] = {
         "train_batch_size": train_batch,
         "train_micro_batch_size_per_gpu": micro,
@@ -54,9 +57,32 @@ def build(
         "zero_allow_untested_optimizer": True,
     }
     ds.update(_precision(cfg))
+    if layout.tp > 1:
+        ds["tensor_parallel"] = _tensor_parallel(layout.tp)
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds
+
+
+# AutoTP's partition of llmtrain's Llama (model.py's names, which are Hugging Face's): the projections
+# into heads and into the MLP are split by output rows (column-parallel), the projections back to the
+# hidden size by input columns (row-parallel, one all-reduce after each). Norms, the embedding and the
+# output layer stay whole on every rank, so the chunked loss needs nothing of tp.
+TP_COLUMN_PATTERNS = r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$"
+TP_ROW_PATTERNS = r".*\.(o_proj|down_proj)\.weight$"
+
+
+def _tensor_parallel(tp: int) -> dict[str, Any]:
+    return {
+        "autotp_size": tp,
+        "partition_config": {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": [TP_COLUMN_PATTERNS], "partition_type": "column"},
+                {"patterns": [TP_ROW_PATTERNS], "partition_type": "row"},
+            ],
+        },
+    }
 
 
 def _optimizer(cfg: TrainConfig, accelerator: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 precision, accelerator). Config validation, DeepSpeed's config and the estimator's fit search all ask
 it, so a combination is refused, or proposed, in exactly one place. A new axis (tensor, sequence or
 pipeline degree; the engine) is one more field of `Choice` and a few more rows, not a branch in each
-caller. `batch_triple` is the one division of the global batch into micro-batches and accumulation.
+caller. `layout.Layout` holds the rules that also need the model's shape and the world size.
+`batch_triple` is the one division of the global batch into micro-batches and accumulation.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
+
+if TYPE_CHECKING:
+    from llmtrain.config import TrainConfig
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")  # fastest first: each moves states over a slower link every step
@@ -29,6 +34,13 @@ class Choice:
     offload: str = "none"
     precision: str = "bf16"
     accelerator: str | None = None
+    tp: int = 1
+    sp: int = 1
+
+
+def choice_of(cfg: TrainConfig, accelerator: str | None = None) -> Choice:
+    z, p = cfg.zero, cfg.parallel
+    return Choice(z.stage, z.offload, cfg.train.precision, accelerator, p.tp, p.sp)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,18 @@ RULES: tuple[Rule, ...] = (
         lambda c: c.precision == "fp16" and c.accelerator not in (None, "cuda"),
         "fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16 kernels); use --precision bf16 or fp32",
     ),
+    Rule(
+        "parallel.sp",
+        lambda c: c.tp > 1 and c.sp > 1,
+        "--tp {tp} with --sp {sp}: DeepSpeed's AutoTP builds its own process groups, which Ulysses "
+        "cannot share; use one of them, with data parallelism over the remaining ranks",
+    ),
+    Rule(
+        "zero.stage",
+        lambda c: c.stage == 0 and (c.tp > 1 or c.sp > 1),
+        "ZeRO 0 with --tp/--sp: the update needs ZeRO's model-parallel-aware gradient norm and overflow "
+        "check; use --zero 1 (it shards only optimizer states)",
+    ),
 )
 
 
@@ -71,10 +95,12 @@ def check(choice: Choice) -> None:
         raise ConfigError(message)
 
 
-def combinations(precision: str, accelerator: str | None = None) -> Iterator[Choice]:
-    """Every (stage, offload) that composes with `precision` on `accelerator`."""
+def combinations(
+    precision: str, accelerator: str | None = None, tp: int = 1, sp: int = 1
+) -> Iterator[Choice]:
+    """Every (stage, offload) that composes with `precision` and the tp/sp degrees on `accelerator`."""
     for stage, offload in itertools.product(ZERO_STAGES, OFFLOADS):
-        choice = Choice(stage, offload, precision, accelerator)
+        choice = Choice(stage, offload, precision, accelerator, tp, sp)
         if refusal(choice) is None:
             yield choice
 
@@ -84,14 +110,15 @@ def offload_rank(offload: str) -> int:
     return OFFLOADS.index(offload)
 
 
-def batch_triple(micro_batch: int, global_batch: int | None, world_size: int) -> tuple[int, int, int]:
+def batch_triple(micro_batch: int, global_batch: int | None, data_parallel: int) -> tuple[int, int, int]:
     """(global batch, micro-batch per rank, gradient accumulation steps); the global batch defaults to one
-    micro-batch per rank and must be a whole number of them."""
-    per_step = micro_batch * world_size
+    micro-batch per data-parallel rank and must be a whole number of them (tp and sp ranks of one group
+    share their samples, so they do not multiply the batch)."""
+    per_step = micro_batch * data_parallel
     total = global_batch or per_step
     if total % per_step:
         raise ConfigError(
             f"{flag_for('train.global_batch')}: {total} is not divisible by micro-batch {micro_batch} x "
-            f"world size {world_size} = {per_step}; use a multiple of {per_step}"
+            f"data-parallel size {data_parallel} = {per_step}; use a multiple of {per_step}"
         )
     return total, micro_batch, total // per_step

@@ -24,6 +24,7 @@ from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
+from llmtrain.parallel.layout import Layout
 from llmtrain.train import faults, schedule
 
 # Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
@@ -103,7 +104,10 @@ def derive(cfg: TrainConfig) -> None:
     global batch (from the launcher's world size when inside one: torchrun --nnodes 2 runs
     `train --gpus 1` twice) and the warmup; then check the schedule against the run's length."""
     world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else cfg.world_size
-    cfg.train.global_batch = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, world_size)[0]
+    data_parallel = Layout.of(cfg, world_size).dp
+    cfg.train.global_batch = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, data_parallel)[
+        0
+    ]
     cfg.schedule.warmup_steps = cfg.warmup_steps
     schedule.check_schedule(cfg)
 

@@ -28,6 +28,7 @@ from llmtrain.engine import ds_engine, dsconfig
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
+from llmtrain.parallel.layout import Layout, check_resume
 from llmtrain.train import faults, schedule
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger
@@ -94,6 +95,8 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     _seed_everything(cfg.train.seed)
     root = rundir.checkpoint_root(run_dir)
     choice = checkpoint.choose_checkpoint(root, cfg.checkpoint.strict) if resume else None
+    if choice is not None:
+        check_resume(Layout.of(cfg, world.world_size), choice.info.world_size)
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
     ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
     if world.is_main:
@@ -101,7 +104,7 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
         rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
-    engine = ds_engine.build_engine(cfg, ds_config, world.device)
+    engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
         # Saved at another world size: DeepSpeed's universal format re-partitions the states.
@@ -122,13 +125,15 @@ class Trainer:
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
         self.hooks = Hooks(faults.hooks_from_env(world.rank))  # fault injection when LLMTRAIN_FAULTS is set
         self.ckpt_root = rundir.checkpoint_root(run_dir)
+        # The ranks of one tp or sp group read the same samples: the loader sees data-parallel ranks.
+        self.layout = Layout.of(cfg, world.world_size)
         self.loader = TrainLoader(
             prepared,
             cfg.train.seq_len,
             cfg.train.micro_batch,
             engine.train_batch_size(),
-            rank=world.rank,
-            world_size=world.world_size,
+            rank=self.layout.data_rank(world.rank),
+            world_size=self.layout.dp,
             seed=cfg.train.seed,
             document_masking=cfg.data.document_masking,
             pin_memory=world.accelerator == "cuda",
@@ -160,8 +165,8 @@ class Trainer:
             prepared,
             self.cfg.train.seq_len,
             self.cfg.train.micro_batch,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
+            rank=self.layout.data_rank(self.world.rank),
+            world_size=self.layout.dp,
             n_batches=self.cfg.train.eval_batches,
             document_masking=self.cfg.data.document_masking,
         )

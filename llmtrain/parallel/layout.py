@@ -1,0 +1,139 @@
+"""world = dp x sp x tp: which rank holds which part of the model and which samples.
+
+Rank r = (d * sp + s) * tp + t for data-parallel index d, sequence-parallel index s and tensor-parallel
+index t: tensor parallelism innermost, as Megatron and DeepSpeed place it (its all-reduces run in every
+layer, so its ranks should be the closest ones: one node, NVLink). Only one of tp and sp is above 1
+(rules.RULES), so a rank's model-parallel group is `model_parallel` consecutive ranks.
+
+- Data: the ranks of one model-parallel group read the same samples. The loader's rank is d and its
+  world dp; tp ranks compute on identical inputs (DeepSpeed checks it on the first batch), sp ranks
+  each keep their slice of the same sequences (the model cuts it: `Llama.set_sequence_parallel`).
+- DeepSpeed: the groups reach `deepspeed.initialize` as its `mpu` argument. For tp that is DeepSpeed's
+  own (dp, tp) mesh (`deepspeed.utils.groups`, which AutoTP partitions over in any case); for sp,
+  DeepSpeed's Ulysses groups (`parallel_state_sp`): ZeRO then shards and reduces over the dp x sp
+  ranks and divides by dp only, so the sp ranks' partial gradients add up. Without an mpu, DeepSpeed
+  skips the gradient synchronisation of sp ranks and counts tp ranks as data-parallel ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmtrain.errors import ConfigError
+from llmtrain.flags import flag_for
+
+if TYPE_CHECKING:
+    from llmtrain.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int = 1
+    sp: int = 1
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, world_size: int | None = None) -> Layout:
+        """The run's layout over `world_size` processes (default: the one the config launches)."""
+        return cls(world_size or cfg.world_size, cfg.parallel.tp, cfg.parallel.sp)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.sp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.model_parallel
+
+    def data_rank(self, rank: int) -> int:
+        return rank // self.model_parallel
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def sp_rank(self, rank: int) -> int:
+        return (rank // self.tp) % self.sp
+
+    def describe(self) -> str:
+        """`dp 2 x tp 2`: the degrees above 1 (dp always)."""
+        parts = [f"dp {self.dp}"] + [f"{n} {d}" for n, d in (("tp", self.tp), ("sp", self.sp)) if d > 1]
+        return " x ".join(parts)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag_for(key)}: {message}")
+
+
+def check(layout: Layout, cfg: TrainConfig) -> None:
+    """What DeepSpeed cannot split: a one-line error naming the flag, before any process starts."""
+    m = cfg.model
+    for key, degree in (("parallel.tp", layout.tp), ("parallel.sp", layout.sp)):
+        _require(degree >= 1, key, f"must be at least 1, got {degree}")
+    _require(
+        layout.world_size % layout.model_parallel == 0,
+        "parallel.tp" if layout.tp > 1 else "parallel.sp",
+        f"tp {layout.tp} x sp {layout.sp} = {layout.model_parallel} does not divide the world size "
+        f"{layout.world_size} (--gpus x --nodes); use a divisor of it",
+    )
+    for key, degree, what in (("parallel.tp", layout.tp, "tp"), ("parallel.sp", layout.sp, "sp")):
+        if degree == 1:
+            continue
+        # Heads are split whole, and each rank's query heads must share its key/value heads.
+        for count, name in (
+            (m.num_attention_heads, "attention heads"),
+            (m.num_key_value_heads, "key/value heads"),
+        ):
+            _require(count % degree == 0, key, f"{count} {name} are not divisible by {what} {degree}")
+    if layout.tp > 1:
+        _require(
+            m.intermediate_size % layout.tp == 0,
+            "parallel.tp",
+            f"MLP width {m.intermediate_size} is not divisible by tp {layout.tp}",
+        )
+    if layout.sp > 1:
+        _require(
+            cfg.train.seq_len % layout.sp == 0,
+            "parallel.sp",
+            f"--seq-len {cfg.train.seq_len} is not divisible by sp {layout.sp}; each rank holds an equal slice",
+        )
+
+
+def process_groups(layout: Layout) -> Any:
+    """The `mpu` object `deepspeed.initialize` takes for this layout (None for data parallelism alone).
+
+    Built once per process: DeepSpeed keeps these groups in module globals.
+    """
+    if layout.tp > 1:
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=layout.tp)  # no-op when already built
+        _check_same_size(groups.get_tensor_model_parallel_world_size(), layout.tp, "tensor")
+        return groups
+    if layout.sp > 1:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp as sp_state
+
+        if sp_state._SEQUENCE_PARALLEL_GROUP is None:
+            sp_state.initialize_sequence_parallel(layout.sp)
+        _check_same_size(sp_state.get_sequence_parallel_world_size(), layout.sp, "sequence")
+        return sp_state
+    return None
+
+
+def _check_same_size(built: int, wanted: int, axis: str) -> None:
+    if built != wanted:  # one process runs one layout: DeepSpeed's groups cannot be rebuilt
+        raise RuntimeError(f"this process already has {axis}-parallel groups of {built} ranks, not {wanted}")
+
+
+def check_resume(layout: Layout, saved_world_size: int) -> None:
+    """A tp or sp checkpoint holds per-rank model slices and ZeRO shards of its own layout; DeepSpeed's
+    universal conversion re-partitions data-parallel shards only, so such a run resumes as it was saved."""
+    if layout.model_parallel == 1 or saved_world_size == layout.world_size:
+        return
+    saved = Layout(saved_world_size, layout.tp, layout.sp)
+    raise ConfigError(
+        f"{flag_for('launch.gpus')}: this run was saved on {saved_world_size} processes ({saved.describe()}); "
+        f"a tensor- or sequence-parallel checkpoint resumes on the same layout: launch {saved_world_size} "
+        "processes (--gpus x --nodes)"
+    )
