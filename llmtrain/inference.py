@@ -302,11 +302,12 @@ def evaluate_run(
 
 
 def _training_eval_batches(prepared: PreparedData, cfg: TrainConfig) -> int:
-    """How many micro-batches training-time evaluation covers: eval_batches on each of W processes,
-    capped (as data.dataset.val_batches caps it) by what the split holds for W processes."""
+    """How many micro-batches training-time evaluation covers: eval_batches on each of W data-parallel
+    ranks (tp and sp ranks share theirs), capped (as data.dataset.val_batches caps it) by what the split
+    holds for W ranks."""
     from llmtrain.data.dataset import num_sequences
 
-    world, micro = cfg.world_size, cfg.train.micro_batch
+    world, micro = cfg.data_parallel, cfg.train.micro_batch
     per_process = num_sequences(prepared.stream("val"), cfg.train.seq_len) // (micro * world)
     return max(1, min(cfg.train.eval_batches, per_process) * world)
 

@@ -109,6 +109,23 @@ CASES: dict[str, Case] = {
     "timeout-not-positive": Case(
         f"{T} --collective-timeout 0", "--collective-timeout: must be positive", RUN
     ),
+    # ---- train: layouts DeepSpeed cannot run, refused before any process starts
+    "tp-not-dividing-world": Case(
+        f"{T} --gpus 2 --tp 3", "--tp: tp 3 x sp 1 = 3 does not divide the world size 2", RUN
+    ),
+    "tp-kv-heads": Case(
+        f"{T} --gpus 2 --tp 2 --set model.num_key_value_heads=1",
+        "--tp: 1 key/value heads are not divisible by tp 2",
+        RUN,
+    ),
+    "sp-seq-len": Case(
+        f"{T} --gpus 2 --sp 2 --seq-len 33", "--sp: --seq-len 33 is not divisible by sp 2", RUN
+    ),
+    "tp-with-sp": Case(f"{T} --gpus 4 --tp 2 --sp 2", "--sp: --tp 2 with --sp 2", RUN),
+    "tp-zero0": Case(f"{T} --gpus 2 --tp 2 --zero 0", "--zero: ZeRO 0 with --tp/--sp", RUN),
+    "sp-bf16-zero1": Case(
+        f"{T} --gpus 2 --sp 2 --zero 1 --precision bf16", "--zero: ZeRO 1 in bf16 with --sp fails", RUN
+    ),
     "heads-do-not-divide": Case(
         f"{T} --set model.num_attention_heads=3", "3 heads do not divide hidden_size", RUN
     ),

@@ -11,12 +11,12 @@ All scenarios run in one `run_distributed` launch of 2 fresh processes (imports 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import trainkit
 
 pytestmark = pytest.mark.slow
 
@@ -39,37 +39,11 @@ COMMON: dict[str, Any] = {
 
 
 def _build(rank: int, world_size: int, run_dir: str, flags: dict[str, Any], faults: str = "") -> Any:
-    """A Trainer as `llmtrain train` builds it inside a launcher (derived numbers fixed as run.prepare does)."""
-    from llmtrain.config import resolve
-    from llmtrain.parallel.distributed import World
-    from llmtrain.run import prepare
-    from llmtrain.train import faults as faults_mod
-    from llmtrain.train.trainer import build_trainer
-
-    cfg = resolve(flags={**COMMON, "launch.gpus": world_size, "run_dir": run_dir, **flags})
-    prepare.derive(cfg)
-    os.environ[faults_mod.ENV] = faults  # read by the Trainer when it is built
-    try:
-        world = World(rank=rank, local_rank=rank, world_size=world_size, accelerator="cpu")
-        return build_trainer(cfg, world, Path(run_dir), resume=False)
-    finally:
-        os.environ.pop(faults_mod.ENV, None)
-
-
-def _losses(run_dir: str) -> list[float | None]:
-    from llmtrain.train.metrics import METRICS_FILE, read_metrics
-
-    return [r["loss"] for r in read_metrics(Path(run_dir) / METRICS_FILE) if "loss" in r]
+    return trainkit.build(rank, world_size, run_dir, {**COMMON, **flags}, faults)
 
 
 def _train_all(rank: int, world_size: int, root: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Train each scenario in turn; rank 0 returns each run's per-step losses from metrics.jsonl."""
-    out: dict[str, Any] = {}
-    for name, flags in scenarios.items():
-        run_dir = str(Path(root) / name)
-        summary = _build(rank, world_size, run_dir, flags).train()
-        out[name] = {"losses": _losses(run_dir) if rank == 0 else None, "summary": summary}
-    return out
+    return trainkit.train_all(rank, world_size, root, {n: {**COMMON, **f} for n, f in scenarios.items()})
 
 
 TRAJECTORIES = {

@@ -122,6 +122,11 @@ def _precision(cfg: TrainConfig) -> dict[str, Any]:
     return {}
 
 
+def largest_parameter(m: ModelConfig) -> int:
+    """Elements of the model's largest weight: the embedding (or output layer), an MLP or a q/o matrix."""
+    return max(m.vocab_size, m.intermediate_size, m.num_attention_heads * m.head_dim) * m.hidden_size
+
+
 def _zero(cfg: TrainConfig) -> dict[str, Any]:
     z = cfg.zero
     if z.stage == 0:
@@ -134,6 +139,13 @@ def _zero(cfg: TrainConfig) -> dict[str, Any]:
         "reduce_scatter": True,
         "reduce_bucket_size": z.reduce_bucket_size or sizes["reduce_bucket_size"],
     }
+    if z.stage == 3 and cfg.parallel.sp > 1:
+        # DeepSpeed 0.19.8's ZeRO-3 reduce-scatter averages gradients over all dp x sp ranks, yet the sp
+        # ranks' gradients are partial sums that must add up (measured: grad norms halved at sp 2). Its
+        # all-reduce path divides by dp only, as stages 1-2 do; it takes every bucket no larger than
+        # reduce_bucket_size, so the buckets are made to hold the largest parameter.
+        out["reduce_scatter"] = False
+        out["reduce_bucket_size"] = max(out["reduce_bucket_size"], largest_parameter(cfg.model))
     if z.stage in (1, 2):
         out["allgather_bucket_size"] = z.allgather_bucket_size or sizes["allgather_bucket_size"]
     if z.stage == 3:

@@ -105,6 +105,8 @@ def process_groups(layout: Layout) -> Any:
 
     Built once per process: DeepSpeed keeps these groups in module globals.
     """
+    if layout.model_parallel > 1:
+        _adopt_process_group()
     if layout.tp > 1:
         from deepspeed.utils import groups
 
@@ -119,6 +121,17 @@ def process_groups(layout: Layout) -> Any:
         _check_same_size(sp_state.get_sequence_parallel_world_size(), layout.sp, "sequence")
         return sp_state
     return None
+
+
+def _adopt_process_group() -> None:
+    """DeepSpeed's communication layer over torch's process group, when it was made without
+    `deepspeed.init_distributed` (its group builders below go through that layer)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
 
 def _check_same_size(built: int, wanted: int, axis: str) -> None:

@@ -74,6 +74,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "zero.stage",
+        # DeepSpeed 0.19.8's BF16_Optimizer (ZeRO 1 in bf16) takes Ulysses' sequence-parallel rank for a
+        # tensor-parallel one and leaves sp rank 1 with no gradient to measure: the first step fails.
+        lambda c: c.stage == 1 and c.precision == "bf16" and c.sp > 1,
+        "ZeRO 1 in bf16 with --sp fails in DeepSpeed's bf16 optimizer; use --zero 2 (or 3), or --precision fp32",
+    ),
+    Rule(
+        "zero.stage",
         lambda c: c.stage == 0 and (c.tp > 1 or c.sp > 1),
         "ZeRO 0 with --tp/--sp: the update needs ZeRO's model-parallel-aware gradient norm and overflow "
         "check; use --zero 1 (it shards only optimizer states)",

@@ -24,7 +24,7 @@ from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
-from llmtrain.parallel.layout import Layout
+from llmtrain.parallel.layout import Layout, check_resume
 from llmtrain.train import faults, schedule
 
 # Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
@@ -93,8 +93,12 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
             f"{run_dir}: no checkpoint to resume from; start it with `llmtrain train --run-dir {run_dir}`"
         )
     # A `latest` that is no tag or leads outside the run is refused here, before any process starts.
-    checkpoint.read_latest(rundir.checkpoint_root(run_dir))
+    root = rundir.checkpoint_root(run_dir)
+    checkpoint.read_latest(root)
     check_launch(cfg)
+    newest = checkpoint.list_complete(root)
+    if newest:
+        check_resume(Layout.of(cfg), newest[-1].world_size)
     schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 
