@@ -212,6 +212,8 @@ def _shape_option(flag: str, help_text: str) -> Any:
     "--zero",
     "--offload",
     "--nvme-path",
+    "--tp",
+    "--sp",
     "--precision",
     "--micro-batch",
     "--seq-len",

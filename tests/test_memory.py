@@ -11,6 +11,8 @@ import pytest
 from llmtrain import memory
 from llmtrain.cli import main
 from llmtrain.config import ConfigError, resolve
+from llmtrain.memory import formulas
+from llmtrain.parallel import layout, rules
 from llmtrain.presets import PRESETS, count_parameters
 from llmtrain.units import human
 
@@ -84,6 +86,96 @@ def test_buffers_follow_the_generated_deepspeed_config() -> None:
     assert str(f"{zero['stage3_max_live_parameters']:,}") in terms["gathered parameters"].note
 
 
+# ---------------------------------------------------------------- tensor and sequence parallelism
+
+_7B = {"preset": "7b", "launch.gpus": 8, "zero.stage": 2, "train.micro_batch": 1, "train.seq_len": 4096}
+# 7b: hidden 4096, 32 layers, 32 heads (= KV heads), MLP 11008, vocabulary 32000 (untied).
+_SPLIT_7B = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o, gate, up, down of every layer
+
+
+def test_tp_halves_the_split_matrices_and_not_the_embedding() -> None:
+    whole = _setup(**_7B)
+    tp2 = _setup(**_7B, **{"parallel.tp": 2})
+    assert whole.rank_params == count_parameters(**PRESETS["7b"]) == 6_738_415_616
+    assert whole.rank_params - tp2.rank_params == _SPLIT_7B // 2 == 3_238_002_688
+    assert max(memory.parameter_tensors(tp2.cfg.model, 2)) == 32000 * 4096  # embedding / lm_head whole
+    states = memory.model_states(tp2)
+    assert tp2.zero_group == 4  # ZeRO partitions over the data-parallel ranks: 8 / tp 2
+    assert states.params_gpu == 2 * 3_500_412_928
+    assert states.optim_gpu == round(12 * 3_500_412_928 / 4)
+
+
+def test_sp_replicates_parameters_and_partitions_over_the_whole_world() -> None:
+    plain = memory.model_states(_setup(**_7B))
+    sp2 = _setup(**_7B, **{"parallel.sp": 2})
+    assert sp2.zero_group == 8 and sp2.rank_params == 6_738_415_616
+    assert memory.model_states(sp2) == plain
+
+
+def test_tp_splits_attention_and_mlp_inner_activations_not_the_residual_stream() -> None:
+    model = resolve(flags={"preset": "7b"}).model
+    tokens = 4096
+    one = formulas.layer_activation_bytes(model, 1, tokens, "bf16", False)
+    two = formulas.layer_activation_bytes(model, 1, tokens, "bf16", False, tp=2)
+    # Halved: q, k, v, SDPA's output (bf16) and log-sum-exp (fp32 per head), gate, silu, up, product.
+    heads = 2 * tokens * 4 * 4096 + 4 * tokens * 32
+    assert one - two == (heads + 2 * 4 * tokens * 11008) // 2 == 247_726_080
+    # Whole on each tp rank: the two norms (fp32 input + bf16 output + rsqrt) and q/k/v's, MLP's inputs.
+    assert two - (heads + 2 * 4 * tokens * 11008) // 2 == 2 * tokens * (4096 * 6 + 4) + 2 * 2 * tokens * 4096
+
+
+def test_sp_halves_the_per_token_activations_and_adds_the_all_to_all() -> None:
+    model = resolve(flags={"preset": "7b"}).model
+    one = formulas.layer_activation_bytes(model, 1, 4096, "bf16", False)
+    two = formulas.layer_activation_bytes(model, 1, 4096, "bf16", False, sp=2)
+    # Every saved tensor holds 2048 of the 4096 tokens; o_proj's input is the all-to-all's copy back.
+    assert two == one // 2 + 2 * 2048 * 4096 == 398_737_408
+    terms = {t.name: t for t in memory.estimate(_setup(**_7B, **{"parallel.sp": 2})).gpu}
+    assert terms["Ulysses all-to-all buffers"].bytes == 2 * 2 * 2048 * (4096 + 4096)  # q, k, v in, out back
+    assert terms["activations"].note.startswith("saved for backward, micro-batch 1 x 4096 / sp 2 tokens")
+    assert "Ulysses all-to-all buffers" not in {t.name for t in memory.estimate(_setup(**_7B)).gpu}
+
+
+def test_fit_search_proposes_only_layouts_train_accepts_within_a_node() -> None:
+    setup = _setup(**{**_7B, "launch.gpus": 4, "launch.nodes": 2, "train.micro_batch": 2})
+    found = memory.fitting(setup, 24 * 10**9)
+    layouts = {(c.tp, c.sp) for c in found}
+    assert {(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)} <= layouts  # never 8: tp/sp do not cross nodes
+    for c in found:
+        assert 4 % (c.tp * c.sp) == 0
+        rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", c.tp, c.sp))
+        lay = layout.Layout(8, c.tp, c.sp)
+        layout.check(lay, setup.cfg)
+        assert c.layout == lay.describe()
+        est = memory.estimate(
+            setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp)
+        )
+        assert est.gpu_peak == c.gpu_bytes <= 24 * 10**9
+    # Fastest first: without offload, data parallelism alone, then sp, then tp.
+    kinds = [(c.tp > 1) - (c.sp > 1) for c in found if c.offload == "none"]
+    assert kinds == sorted(kinds, key=lambda k: (0, -1, 1).index(k))
+
+
+def test_fit_search_keeps_degrees_the_model_can_split() -> None:
+    # debug: 4 heads, 2 KV heads, seq 32 on 8 GPUs: tp and sp stop at 2 (KV heads), tp x sp never both.
+    setup = _setup(**{"preset": "debug", "launch.gpus": 8, "train.seq_len": 32})
+    found = memory.fitting(setup, 80 * 10**9)
+    assert {(c.tp, c.sp) for c in found} == {(1, 1), (2, 1), (1, 2)}
+    assert not any(c.stage == 0 and c.tp * c.sp > 1 for c in found)
+
+
+def test_cli_estimates_a_tp_layout(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")
+    doc = _cli_json(capsys, "--preset", "7b", "--tp", "2", "--gpus", "8", "--zero", "2")
+    assert (doc["setup"]["tp"], doc["setup"]["layout"], doc["setup"]["zero_group"]) == (2, "dp 4 x tp 2", 4)
+    assert {r["term"]: r["bytes"] for r in doc["per_gpu"]}["parameters"] == 2 * 3_500_412_928
+    assert (
+        main(["estimate-memory", "--preset", "7b", "--sp", "2", "--gpus", "8", "--gpu-memory", "80GB"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "dp 4 x sp 2" in out and "Ulysses all-to-all buffers" in out
+
+
 # ---------------------------------------------------------------- sizes
 
 
@@ -117,7 +209,9 @@ def test_fitting_configurations_fit_and_come_fastest_first() -> None:
     assert found == sorted(found, key=memory.speed_key)
     assert all(c.gpu_bytes <= 24 * 10**9 for c in found)
     for c in found:  # each listed memory is the estimate of that exact configuration
-        est = memory.estimate(setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing))
+        est = memory.estimate(
+            setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp)
+        )
         assert est.gpu_peak == c.gpu_bytes
     assert not any(c.stage == 0 for c in found), "unpartitioned 7B states (112 GB) cannot fit 24 GB"
     assert memory.speed_key(found[0]) <= memory.speed_key(found[-1])
@@ -215,6 +309,12 @@ def test_estimate_builds_no_model_and_imports_no_torch() -> None:
         (["--preset", "tiny", "--set", "model.num_key_value_heads=3"], "num_key_value_heads"),
         (["--preset", "nope"], "--preset"),
         (["--gpus", "0"], "--gpus"),
+        (["--tp", "0"], "--tp"),
+        (["--tp", "3", "--gpus", "8"], "--tp"),
+        (["--sp", "3", "--gpus", "6", "--preset", "7b"], "--sp"),
+        (["--tp", "2", "--zero", "0", "--gpus", "2"], "--zero"),
+        (["--tp", "2", "--sp", "2", "--gpus", "4"], "--sp"),
+        (["--tp", "2", "--gpus", "2", "--params", "7e9"], "--tp"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

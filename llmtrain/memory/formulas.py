@@ -11,6 +11,10 @@ saved-tensor hooks in tests/test_memory_calibration.py):
   master partition even in fp32 training (only stage 0 steps the model's own fp32 weights).
 * Activations are the bytes autograd saves for backward in llmtrain.model, per layer, per checkpointing
   mode; logits are computed in chunks of LOSS_CHUNK_ROWS rows, so only one chunk's fp32 logits exist.
+* Tensor parallelism (tp, AutoTP) leaves each rank 1/tp of every layer's q, k, v, o, gate, up and down
+  matrices (the embedding, lm_head and norms stay whole), and ZeRO partitions what a rank holds over the
+  data-parallel ranks only. Sequence parallelism (sp, Ulysses) replicates the parameters over sp ranks and
+  ZeRO partitions over dp x sp; each rank's activations hold seq_len / sp tokens.
 
 Import-light on purpose: no torch, no DeepSpeed, no model; estimating a 70B model allocates nothing.
 """
@@ -26,6 +30,8 @@ from typing import Any
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine import dsconfig
 from llmtrain.errors import ConfigError
+from llmtrain.flags import flag_for
+from llmtrain.parallel.layout import Layout
 from llmtrain.presets import count_parameters
 
 # llmtrain.model.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.
@@ -41,8 +47,11 @@ SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size (elements)
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
 FP32 = 4
 
-_PARTITIONED_OPTIM = "fp32 master 4 + moments 8 B/param / world size"
 _OFFLOAD_WHERE = {"none": "", "cpu": ", on the CPU", "nvme": ", on NVMe"}
+
+
+def _partitioned_optim(setup: Setup) -> str:
+    return f"fp32 master 4 + moments 8 B/param / ZeRO group of {setup.zero_group}"
 
 
 def _bytes_of(dtype: str) -> int:
@@ -74,6 +83,25 @@ class Setup:
     @property
     def world_size(self) -> int:
         return self.cfg.world_size
+
+    @cached_property
+    def layout(self) -> Layout:
+        return Layout.of(self.cfg)
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks ZeRO partitions a rank's parameters over: the data-parallel ones under tp (each tp rank
+        partitions its own slices), dp x sp under sp (sp ranks hold the same parameters)."""
+        return self.world_size // self.layout.tp
+
+    @cached_property
+    def rank_params(self) -> int:
+        """Parameters one rank holds before ZeRO partitions them: all, less (tp - 1) / tp of the split
+        matrices (counted from the shape, so an explicit --params keeps its replicated remainder)."""
+        if self.layout.tp == 1:
+            return self.params
+        m = self.cfg.model
+        return self.params - sum(parameter_tensors(m)) + sum(parameter_tensors(m, self.layout.tp))
 
     @property
     def stage(self) -> int:
@@ -116,9 +144,12 @@ class Setup:
                     section[key] = 0 if key == "stage3_param_persistence_threshold" else floor[key]
         return section
 
-    def with_choice(self, stage: int, offload: str, micro_batch: int, checkpointing: str) -> Setup:
+    def with_choice(
+        self, stage: int, offload: str, micro_batch: int, checkpointing: str, tp: int, sp: int
+    ) -> Setup:
         cfg = copy.deepcopy(self.cfg)
         cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]
+        cfg.parallel.tp, cfg.parallel.sp = tp, sp
         if offload == "nvme" and not cfg.zero.nvme_path:
             cfg.zero.nvme_path = "/local_nvme"
         cfg.train.micro_batch = micro_batch
@@ -132,13 +163,21 @@ def setup_from_config(cfg: TrainConfig, params: int | None = None, shape_known: 
     count = params if params is not None else count_parameters(**vars(cfg.model))
     if count <= 0:
         raise ConfigError(f"--params: must be positive, got {count}")
+    if cfg.parallel.tp > 1 and not shape_known:
+        raise ConfigError(
+            f"{flag_for('parallel.tp')}: what tensor parallelism splits depends on the model's shape; "
+            "give --preset, --config or the shape flags (--hidden-size ...) instead of --params alone"
+        )
     return Setup(cfg, int(count), shape_known)
 
 
-def parameter_tensors(model: ModelConfig) -> list[int]:
-    """Element counts of every parameter tensor of llmtrain.model.Llama (a tied lm_head counted once)."""
+def parameter_tensors(model: ModelConfig, tp: int = 1) -> list[int]:
+    """Element counts of every parameter tensor of llmtrain.model.Llama (a tied lm_head counted once) that
+    one rank holds under tensor parallelism of degree `tp`: dsconfig's AutoTP patterns split each layer's
+    q, k, v, o, gate, up and down matrices into tp slices; norms, the embedding and lm_head stay whole."""
     d, kv, f = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
-    layer = [d, d * d, d * kv, d * kv, d * d, d, d * f, d * f, f * d]
+    split = [d * d, d * kv, d * kv, d * d, d * f, d * f, f * d]  # q, k, v, o, gate, up, down
+    layer = [d, d] + [n // tp for n in split]  # two RMSNorm weights, then the split matrices
     tensors = [model.vocab_size * d] + layer * model.num_hidden_layers + [d]
     if not model.tie_word_embeddings:
         tensors.append(model.vocab_size * d)
@@ -185,12 +224,13 @@ def persistent_elements(setup: Setup) -> int:
     if setup.stage != 3 or not setup.shape_known:
         return 0
     threshold = setup.zero["stage3_param_persistence_threshold"]
-    return sum(n for n in parameter_tensors(setup.cfg.model) if n <= threshold)
+    return sum(n for n in parameter_tensors(setup.cfg.model, setup.layout.tp) if n <= threshold)
 
 
 def model_states(setup: Setup) -> ModelStates:
-    """Per-rank model-state bytes for this stage, offload and precision, as DeepSpeed 0.19.8 allocates them."""
-    p, n, b, a = setup.params, setup.world_size, setup.lp_bytes, setup.grad_accum_bytes
+    """Per-rank model-state bytes for this stage, offload, precision and layout, as DeepSpeed 0.19.8
+    allocates them (stage 0 never runs with tp or sp: rules.RULES)."""
+    p, n, b, a = setup.rank_params, setup.zero_group, setup.lp_bytes, setup.grad_accum_bytes
     part = p / n
     optim = FP32 + ADAM_MOMENTS  # fp32 master partition + moments (ZeRO clones a master even in fp32)
     if setup.stage == 0:
@@ -227,7 +267,7 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
             notes={
                 "grads": "fp32 partition on the CPU (master .grad)"
                 + (" and an fp32 accumulation partition on the GPU" if setup.precision == "bf16" else ""),
-                "optim": _PARTITIONED_OPTIM + _OFFLOAD_WHERE["cpu"],
+                "optim": _partitioned_optim(setup) + _OFFLOAD_WHERE["cpu"],
             },
         )
     if setup.stage == 1 and setup.precision == "bf16":
@@ -238,13 +278,18 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
             optim_gpu=round(optim * part),
             notes={
                 "grads": "bf16 grads + full fp32 accumulation buffer (BF16_Optimizer does not partition them)",
-                "optim": _PARTITIONED_OPTIM,
+                "optim": _partitioned_optim(setup),
             },
         )
     partitioned = setup.stage == 2 or setup.cfg.zero.overlap_comm
     # Gradients in the model dtype are kept as views of each parameter's .grad, so a parameter that
     # straddles the partition boundary keeps its whole gradient alive (bounded by the largest tensor).
-    straddle = pending if a == FP32 and b != FP32 else a * _largest_param(setup)
+    # A ZeRO group of one rank (one GPU, or dp 1 under tp) holds neither extra: measured on the real
+    # engine at world 1 and at tp 2 of 2 ranks, the estimate is within 0.5% without them, 2-6% over with.
+    if setup.zero_group == 1:
+        straddle = 0
+    else:
+        straddle = pending if a == FP32 and b != FP32 else a * _largest_param(setup)
     return ModelStates(
         params_gpu=b * p,
         grads_gpu=round(a * part) + straddle if partitioned else a * p,
@@ -253,7 +298,7 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
             "grads": "partition kept after each bucket's reduction"
             if partitioned
             else "full gradients until the step's reduction (stage 1 without overlap_comm)",
-            "optim": _PARTITIONED_OPTIM,
+            "optim": _partitioned_optim(setup),
         },
     )
 
@@ -262,8 +307,8 @@ def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int
     persistent = b * persistent_elements(setup)
     params, grads, states = round(b * part), round(a * part), round(optim * part)
     notes = {
-        "params": "partition / world size + small persistent params whole",
-        "optim": _PARTITIONED_OPTIM + _OFFLOAD_WHERE[setup.offload],
+        "params": "partition / ZeRO group + small persistent params whole",
+        "optim": _partitioned_optim(setup) + _OFFLOAD_WHERE[setup.offload],
     }
     if setup.offload == "none":
         return ModelStates(params_gpu=params + persistent, grads_gpu=grads, optim_gpu=states, notes=notes)
@@ -291,8 +336,11 @@ def checkpointed_layers(layers: int, mode: str, every_k: int) -> int:
     return 0
 
 
-def layer_activation_bytes(model: ModelConfig, batch: int, seq: int, precision: str, doc_mask: bool) -> int:
-    """Bytes one un-checkpointed block saves for backward (the tensors autograd keeps, deduplicated).
+def layer_activation_bytes(
+    model: ModelConfig, batch: int, seq: int, precision: str, doc_mask: bool, tp: int = 1, sp: int = 1
+) -> int:
+    """Bytes one un-checkpointed block saves for backward on one rank (the tensors autograd keeps,
+    deduplicated).
 
     RMSNorm (x2): the fp32 upcast input and the normalised output before the weight (4 + b bytes per
     element) plus the fp32 rsqrt per token. Attention: the normed input to q/k/v, the RoPE-rotated q and k,
@@ -300,29 +348,58 @@ def layer_activation_bytes(model: ModelConfig, batch: int, seq: int, precision: 
     shared by all layers. GQA: k and v have kv_heads x head_dim columns (SDPA's enable_gqa does not copy
     them); with document masking they are repeated to all heads. SwiGLU: the normed input, gate, silu(gate),
     up and their product.
+
+    Tensor parallelism splits what lies between a column-parallel projection and its row-parallel partner
+    (q, k, v, SDPA's output and log-sum-exp; gate, silu, up, product) over tp; the norms and their outputs,
+    which every tp rank holds whole, are not. Sequence parallelism leaves each rank seq / sp tokens of
+    everything: inside attention the all-to-all hands it whole sequences of H / sp heads (the same bytes),
+    and o_proj saves the all-to-all's output back, a copy apart from SDPA's output.
     """
-    b, tokens, d = _bytes_of(precision), batch * seq, model.hidden_size
+    b, d, tokens = _bytes_of(precision), model.hidden_size, batch * seq // sp
     kv = d if doc_mask else model.num_key_value_heads * model.head_dim
     norms = 2 * (tokens * d * (FP32 + b) + FP32 * tokens)
-    attention = 3 * b * tokens * d + 2 * b * tokens * kv + FP32 * batch * model.num_attention_heads * seq
-    mlp = b * tokens * d + 4 * b * tokens * model.intermediate_size
+    heads = (b * tokens * (2 * d + 2 * kv) + FP32 * tokens * model.num_attention_heads) // tp
+    regathered = b * tokens * d if sp > 1 else 0
+    attention = b * tokens * d + heads + regathered
+    mlp = b * tokens * d + 4 * b * tokens * model.intermediate_size // tp
     return norms + attention + mlp
 
 
+def rank_tokens(setup: Setup) -> int:
+    """Tokens of one micro-batch in one rank's activations: seq_len / sp of each sequence."""
+    t = setup.cfg.train
+    return t.micro_batch * t.seq_len // setup.layout.sp
+
+
+def _layer_bytes(setup: Setup) -> int:
+    t, lay = setup.cfg.train, setup.layout
+    return layer_activation_bytes(
+        setup.cfg.model,
+        t.micro_batch,
+        t.seq_len,
+        setup.precision,
+        setup.cfg.data.document_masking,
+        lay.tp,
+        lay.sp,
+    )
+
+
 def activation_bytes(setup: Setup) -> int:
-    """Bytes saved for backward by one forward pass of one micro-batch, under the checkpointing mode."""
+    """Bytes saved for backward by one forward pass of one micro-batch on one rank, under the
+    checkpointing mode and the layout."""
     m, t = setup.cfg.model, setup.cfg.train
-    b, batch, seq = setup.lp_bytes, t.micro_batch, t.seq_len
-    tokens, doc_mask = batch * seq, setup.cfg.data.document_masking
+    b, tokens, doc_mask = setup.lp_bytes, rank_tokens(setup), setup.cfg.data.document_masking
     recomputed = checkpointed_layers(m.num_hidden_layers, t.activation_checkpointing, t.checkpoint_every_k)
-    per_layer = layer_activation_bytes(m, batch, seq, setup.precision, doc_mask)
     # A recomputed block keeps only its input (the residual stream).
-    blocks = recomputed * b * tokens * m.hidden_size + (m.num_hidden_layers - recomputed) * per_layer
+    blocks = recomputed * b * tokens * m.hidden_size + (m.num_hidden_layers - recomputed) * _layer_bytes(
+        setup
+    )
     final_norm = tokens * m.hidden_size * (FP32 + b) + FP32 * tokens
     hidden_out = b * tokens * m.hidden_size  # the loss chunks' input, kept for their recomputation
-    rope = 2 * b * tokens * m.head_dim  # cos and sin, [B, T, head_dim] each
-    ids = 8 * tokens + 8  # the embedding's int64 indices and the token count
-    mask = batch * seq * seq if doc_mask else 0  # boolean block-diagonal mask, shared by all layers
+    rope = 2 * b * tokens * m.head_dim  # cos and sin, [B, T / sp, head_dim] each
+    whole = t.micro_batch * t.seq_len  # every sp rank receives whole sequences and slices views of them
+    ids = 8 * whole + 8  # the embedding's int64 indices and the token count
+    mask = whole * t.seq_len if doc_mask else 0  # boolean block-diagonal mask, shared by all layers
     return blocks + final_norm + hidden_out + rope + ids + mask
 
 
@@ -330,22 +407,31 @@ def backward_working_bytes(setup: Setup) -> int:
     """Transient bytes while one block runs backward: its recomputed activations when checkpointed, plus
     the activation gradients in flight (about two hidden-sized and two MLP-sized tensors)."""
     m, t = setup.cfg.model, setup.cfg.train
-    b, tokens = setup.lp_bytes, t.micro_batch * t.seq_len
     recompute = 0
     if checkpointed_layers(m.num_hidden_layers, t.activation_checkpointing, t.checkpoint_every_k):
-        recompute = layer_activation_bytes(
-            m, t.micro_batch, t.seq_len, setup.precision, setup.cfg.data.document_masking
-        )
-    return recompute + 2 * b * tokens * (m.hidden_size + m.intermediate_size)
+        recompute = _layer_bytes(setup)
+    mlp_width = m.intermediate_size // setup.layout.tp
+    return recompute + 2 * setup.lp_bytes * rank_tokens(setup) * (m.hidden_size + mlp_width)
 
 
 def loss_chunk_bytes(setup: Setup) -> int:
     """One loss chunk at a time: its fp32 logits, log-softmax and their gradient (12 B x rows x vocab),
-    plus the gradient of the final hidden states that the chunks accumulate into."""
-    m, t = setup.cfg.model, setup.cfg.train
-    tokens = t.micro_batch * t.seq_len
+    plus the gradient of the final hidden states that the chunks accumulate into (lm_head is whole on
+    every tp rank, so tp leaves this as is)."""
+    m, tokens = setup.cfg.model, rank_tokens(setup)
     rows = min(LOSS_CHUNK_ROWS, tokens)
     return 3 * FP32 * rows * m.vocab_size + setup.lp_bytes * tokens * m.hidden_size
+
+
+def ulysses_buffer_bytes(setup: Setup) -> int:
+    """Sequence parallelism's all-to-all buffers of one attention layer: q, k and v exchanged in and the
+    output exchanged back, each this rank's seq / sp tokens of all heads. They bound the contiguous send
+    copy and receive buffer DeepSpeed allocates per exchange; 0 without sp."""
+    if setup.layout.sp == 1:
+        return 0
+    m = setup.cfg.model
+    kv = m.num_key_value_heads * m.head_dim  # exchanged before document masking repeats them
+    return 2 * setup.lp_bytes * rank_tokens(setup) * (m.hidden_size + kv)
 
 
 # ---------------------------------------------------------------- the breakdown
@@ -405,6 +491,11 @@ class Estimate:
                 "gpus_per_node": c.launch.gpus,
                 "nodes": c.launch.nodes,
                 "world_size": s.world_size,
+                "tp": s.layout.tp,
+                "sp": s.layout.sp,
+                "data_parallel": s.layout.dp,
+                "layout": s.layout.describe(),
+                "zero_group": s.zero_group,
                 "micro_batch": c.train.micro_batch,
                 "seq_len": c.train.seq_len,
                 "activation_checkpointing": c.train.activation_checkpointing,
@@ -422,7 +513,7 @@ class Estimate:
 
 def estimate(setup: Setup) -> Estimate:
     states = model_states(setup)
-    gpu = _state_terms(states) + _activation_terms(setup) + _buffer_terms(setup)
+    gpu = _state_terms(setup, states) + _activation_terms(setup) + _buffer_terms(setup)
     gpu.append(
         Term(
             "runtime overhead",
@@ -435,26 +526,40 @@ def estimate(setup: Setup) -> Estimate:
     return Estimate(setup, gpu, cpu, nvme, states)
 
 
-def _state_terms(s: ModelStates) -> list[Term]:
+def _state_terms(setup: Setup, s: ModelStates) -> list[Term]:
+    params_note = s.notes.get("params", "model dtype") + _split_note(setup)
     return [
-        Term("parameters", s.params_gpu, "always", s.notes.get("params", "model dtype")),
+        Term("parameters", s.params_gpu, "always", params_note),
         Term("gradients", s.grads_gpu, "always", s.notes.get("grads", "model dtype")),
         Term("optimizer states", s.optim_gpu, "always", s.notes.get("optim", "")),
     ]
 
 
+def _split_note(setup: Setup) -> str:
+    """What tp or sp does to a rank's parameters, for the parameters' note."""
+    lay = setup.layout
+    if lay.tp > 1:
+        return (
+            f"; q,k,v,o,gate,up,down / tp {lay.tp} ({setup.rank_params:,} params per rank), "
+            "embedding, lm_head and norms whole"
+        )
+    return f"; replicated over sp {lay.sp}" if lay.sp > 1 else ""
+
+
 def _activation_terms(setup: Setup) -> list[Term]:
     if not setup.shape_known:
         return [Term("activations", 0, "activations", "unknown: give --hidden-size --layers --heads ...")]
-    t = setup.cfg.train
+    t, lay = setup.cfg.train, setup.layout
     mode = t.activation_checkpointing
     mode_note = f"selective, every {t.checkpoint_every_k}" if mode == "selective" else mode
-    return [
+    tokens = f"{t.seq_len} tokens" if lay.sp == 1 else f"{t.seq_len} / sp {lay.sp} tokens"
+    split = f"; attention and MLP inner activations / tp {lay.tp}" if lay.tp > 1 else ""
+    terms = [
         Term(
             "activations",
             activation_bytes(setup),
             "activations",
-            f"saved for backward, micro-batch {t.micro_batch} x {t.seq_len} tokens, checkpointing {mode_note}",
+            f"saved for backward, micro-batch {t.micro_batch} x {tokens}, checkpointing {mode_note}{split}",
         ),
         Term(
             "backward working set", backward_working_bytes(setup), "transient", "recompute + activation grads"
@@ -466,14 +571,18 @@ def _activation_terms(setup: Setup) -> list[Term]:
             f"cross-entropy in chunks of {LOSS_CHUNK_ROWS} rows: fp32 logits never whole",
         ),
     ]
+    if lay.sp > 1:
+        note = f"q, k, v in and output back, one attention layer at a time, sp {lay.sp}"
+        terms.append(Term("Ulysses all-to-all buffers", ulysses_buffer_bytes(setup), "transient", note))
+    return terms
 
 
 def _largest_param(setup: Setup) -> int:
-    return max(parameter_tensors(setup.cfg.model)) if setup.shape_known else 0
+    return max(parameter_tensors(setup.cfg.model, setup.layout.tp)) if setup.shape_known else 0
 
 
 def _buffer_terms(setup: Setup) -> list[Term]:
-    z, b, p = setup.zero, setup.lp_bytes, setup.params
+    z, b, p = setup.zero, setup.lp_bytes, setup.rank_params
     if setup.stage == 0:
         bucket = min(p, STAGE0_ALLREDUCE_BUCKET)
         return [Term("allreduce bucket", b * bucket, "step", "engine's flattened allreduce (5e8 elements)")]
@@ -501,7 +610,7 @@ def _buffer_terms(setup: Setup) -> list[Term]:
                 Term("offload grad staging", b * _largest_param(setup), "always", "largest parameter")
             )
         elif setup.grad_accum_bytes != FP32:  # fp16: the step builds an fp32 copy of the grad partition
-            terms.append(Term("fp32 grad partition", round(FP32 * p / setup.world_size), "step", "at step"))
+            terms.append(Term("fp32 grad partition", round(FP32 * p / setup.zero_group), "step", "at step"))
         return terms
     live = z["stage3_max_live_parameters"] + z["stage3_prefetch_bucket_size"]
     return [
@@ -529,7 +638,7 @@ def _host_terms(setup: Setup, s: ModelStates) -> tuple[list[Term], list[Term]]:
         Term("offloaded optimizer states", g * s.optim_cpu, "always", "fp32 master + moments"),
     ]
     if setup.stage in (1, 2) and setup.offload == "cpu":
-        staging = round(b * setup.params / setup.world_size) + b * _largest_param(setup)
+        staging = round(b * setup.rank_params / setup.zero_group) + b * _largest_param(setup)
         cpu.append(Term("pinned staging buffers", g * staging, "always", "bit16 partition + largest grad"))
     nvme: list[Term] = []
     if setup.offload == "nvme":
@@ -547,7 +656,7 @@ def _swap_buffers(setup: Setup) -> Term:
     z = setup.zero
     params, optim = z["offload_param"], z["offload_optimizer"]
     param_buffer = params.get("buffer_size", NVME_PARAM_BUFFER_SIZE) * setup.lp_bytes
-    sub_group = min(z.get("sub_group_size", SUB_GROUP_SIZE), round(setup.params / setup.world_size))
+    sub_group = min(z.get("sub_group_size", SUB_GROUP_SIZE), round(setup.rank_params / setup.zero_group))
     swap = params["buffer_count"] * param_buffer + optim["buffer_count"] * FP32 * sub_group
     note = f"{params['buffer_count']} param + {optim['buffer_count']} optimizer aio buffers per GPU"
     return Term("pinned swap buffers", setup.cfg.launch.gpus * swap, "always", note)

@@ -42,7 +42,7 @@ def render(doc: dict[str, Any]) -> None:
     s = doc["setup"]
     title = (
         f"{s['preset'] or format(s['params'], ',') + ' params'}: ZeRO {s['zero_stage']}, offload {s['offload']}, "
-        f"{s['precision']}, {s['gpus_per_node']} GPU(s) x {s['nodes']} node(s)"
+        f"{s['precision']}, {s['gpus_per_node']} GPU(s) x {s['nodes']} node(s), {s['layout']}"
     )
     for key, heading, total_key in _BREAKDOWNS:
         if doc[key]:
@@ -77,10 +77,11 @@ def _fitting_table(candidates: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="Configurations that fit, fastest first")
-    for column in ("stage", "offload", "micro-batch", "checkpointing", "per GPU", "CPU per node"):
+    for column in ("layout", "stage", "offload", "micro-batch", "checkpointing", "per GPU", "CPU per node"):
         table.add_column(column)
     for c in candidates:
         table.add_row(
+            c["layout"],
             str(c["stage"]),
             c["offload"],
             str(c["micro_batch"]),
@@ -89,5 +90,5 @@ def _fitting_table(candidates: list[dict[str, Any]]) -> Any:
             human(c["cpu_bytes"]),
         )
     if not candidates:
-        table.add_row("none", "", "", "", "", "")
+        table.add_row("none", "", "", "", "", "", "")
     return table
