@@ -3,11 +3,16 @@
 DeepSpeed's zero_to_fp32 covers ZeRO-2/3 but not stage 0 (weights live in the model file, the fp32
 master copy in the optimizer) nor ZeRO-1 with DeepSpeed's BF16_Optimizer (shards without `zero_stage`):
 those two are reassembled here. Every file is pickle-scanned first and loaded weights-only.
+
+With tensor parallelism (AutoTP) each tp rank's files (`mp_rank_XX`) hold a data-parallel checkpoint of
+that rank's slices: each rank is consolidated as above, then every parameter is rebuilt from its slices
+by the layout DeepSpeed saved with it (its affine map: full shape, which block each rank holds).
 """
 
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +24,100 @@ from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 
 
 def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.Tensor]:
-    """Full fp32 model weights from a checkpoint of any ZeRO stage (for `llmtrain export`)."""
+    """Full fp32 model weights from a checkpoint of any ZeRO stage and tp degree (for `llmtrain export`)."""
     path = checkpoint_dir(ckpt_root, tag)
     info = read_info(path)
     if info is None:
         raise CheckpointError(f"{path}: no manifest, not a complete checkpoint")
     scan_pickles(path)
-    with weights_only_loads():
-        if not info.partitioned:
-            return _unpartitioned_fp32(path)
-        if _is_bf16_optimizer_checkpoint(path):
-            return _sliced_fp32(path)
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    # The optimizer's fp32 copies load as tensors that require grad: weights are plain data.
+    with weights_only_loads(), torch.no_grad():
+        tp_ranks = _tp_ranks(path)
+        if len(tp_ranks) == 1:
+            state = _one_tp_rank(path, info.partitioned)
+        else:
+            with tempfile.TemporaryDirectory(prefix="llmtrain_tp_") as tmp:
+                views = [_tp_rank_view(path, rank, Path(tmp)) for rank in tp_ranks]
+                state = _merge_tp_slices(path, [_one_tp_rank(view, info.partitioned) for view in views])
+    return {name: tensor.detach() for name, tensor in state.items()}
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_root), tag=tag)
-        return {k: v.float().contiguous() for k, v in state.items()}
+
+def _one_tp_rank(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
+    """The fp32 weights a checkpoint directory holding one tp rank's files (mp_rank_00) describes."""
+    if not partitioned:
+        return _unpartitioned_fp32(path)
+    if _is_bf16_optimizer_checkpoint(path):
+        return _sliced_fp32(path)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+    return {k: v.float().contiguous() for k, v in state.items()}
+
+
+def _tp_ranks(path: Path) -> list[int]:
+    """The tp ranks (`mp_rank_XX` in DeepSpeed's file names) the checkpoint has files for, in order."""
+    ranks = sorted(
+        {int(m.group(1)) for p in path.glob("*.pt") if (m := re.search(r"mp_rank_(\d+)_", p.name))}
+    )
+    if not ranks or ranks != list(range(len(ranks))):
+        raise CheckpointError(f"{path}: files for tp ranks {ranks}, expected 0, 1, ... N-1")
+    return ranks
+
+
+def _tp_rank_view(path: Path, rank: int, tmp: Path) -> Path:
+    """A directory of links to tp rank `rank`'s files, renamed to mp rank 0: to zero_to_fp32 and the
+    readers here it is a plain data-parallel checkpoint of that rank's slices."""
+    view = tmp / f"tp{rank}" / path.name
+    view.mkdir(parents=True)
+    for file in path.glob(f"*mp_rank_{rank:02d}_*.pt"):
+        (view / file.name.replace(f"mp_rank_{rank:02d}_", "mp_rank_00_")).symlink_to(file.resolve())
+    return view
+
+
+def _merge_tp_slices(path: Path, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each parameter rebuilt from its per-tp-rank slices by the affine map DeepSpeed saved for it.
+
+    The map gives the full shape and the block of it each rank holds (AutoTP: dim 0 of column-parallel
+    weights, dim 1 of row-parallel ones, all of a replicated one), so no name pattern is needed here.
+    Replicated parameters must be equal on every rank; `rebuild` refuses them otherwise. A tied alias
+    (lm_head.weight of tied embeddings) has no map and only rank 0 lists it: it is re-pointed at its
+    source afterwards.
+    """
+    from deepspeed.checkpoint.affine import ParamAffineMap
+
+    maps, aliases = _tp_layout(path)
+    out: dict[str, torch.Tensor] = {}
+    for name in (name for name in slices[0] if name not in aliases):
+        pattern = next((p for p in maps if re.match(p, name)), None)  # anchored: ^name$
+        if pattern is None:
+            raise CheckpointError(f"{path}: DeepSpeed saved no tensor-parallel layout for {name}")
+        shards = {rank: state[name] for rank, state in enumerate(slices)}
+        out[name] = ParamAffineMap.from_dict(maps[pattern]).rebuild(shards)
+    for alias, source in aliases.items():
+        out[alias] = out[source]
+    return out
+
+
+def _tp_layout(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """From tp rank 0's model file: DeepSpeed's per-parameter layouts (name regex -> affine map) and
+    the tied aliases (alias -> source name)."""
+    from deepspeed.checkpoint.affine import AFFINE_MAP_FORMAT_VERSION
+    from deepspeed.checkpoint.constants import (
+        AFFINE_MAP,
+        AFFINE_MAP_PARAMS,
+        AFFINE_MAP_VERSION,
+        UNIVERSAL_CHECKPOINT_INFO,
+    )
+
+    model_file = min(path.glob("*mp_rank_00_model_states.pt"))
+    sd = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)
+    info = (sd.get(UNIVERSAL_CHECKPOINT_INFO) or {}).get(AFFINE_MAP) or {}
+    if not info.get(AFFINE_MAP_PARAMS) or info.get(AFFINE_MAP_VERSION, 0) > AFFINE_MAP_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{model_file}: no tensor-parallel layout this DeepSpeed can read (affine map version "
+            f"{info.get(AFFINE_MAP_VERSION)}); cannot merge the tp slices"
+        )
+    return dict(info[AFFINE_MAP_PARAMS]), dict(sd.get("shared_params") or {})
 
 
 def _optim_files(path: Path) -> list[Path]:
