@@ -1,0 +1,523 @@
+"""Data, tensor and sequence parallelism on two processes: memory per rank and throughput, in one run.
+
+`python -m bench parallel` (defaults) or `python -m bench.bench_parallel [--preset ...]` (flags below).
+Three layouts of the same model on world size 2, ZeRO 1: dp2 (two data-parallel ranks), tp2 (DeepSpeed
+AutoTP: each rank holds half of every attention and MLP matrix) and sp2 (DeepSpeed Ulysses: each rank
+computes half of every sequence). Each layout is a pair of processes (DeepSpeed's process groups are
+per-process globals, so one process runs one layout), built by `ds_engine.build_engine` as
+`llmtrain train --tp/--sp` builds it; all six processes are alive together and the pairs take steps in
+turn (A B C, C B A, ...), so load from other work on the machine falls on all layouts alike.
+
+Measured per layout:
+1. Model states per rank: the bytes of parameters, gradients and optimizer states the engine holds
+   (every tensor it and its optimizer reference, each storage once, after a backward so the gradients
+   are held), as tests/test_memory_calibration.py counts them against the memory estimator.
+2. Step peak per rank: the memory one optimizer step needs above what is resident before it
+   (bench_train.measure_step_memory: peak RSS minus RSS on CPU), the larger of the two ranks.
+3. Throughput: tokens of the whole job per second, median over the measured steps after warm-up. tp and
+   sp ranks share their samples, so per step the job trains dp x micro-batch x seq_len tokens.
+4. The longest seq_len whose step peak fits a per-rank budget, dp2 against sp2: the step peak measured
+   at a few seq_lens, a straight line fitted per layout and solved for the budget. The output says
+   whether that seq_len lies within the measured range or is extrapolated beyond it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.bench_train import THREADS, measure_step_memory, random_batches
+
+WORLD_SIZE = 2
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "sp2": (1, 2)}  # name -> (tp, sp)
+BUDGET_LAYOUTS = ("dp2", "sp2")  # whose step peak is measured at every --memory-seq-lens
+# A fitted seq_len is rounded down to a multiple of this: the fit is not finer, and the result stays
+# divisible by sp.
+SEQ_LEN_STEP = 64
+# Communication and staging buffers DeepSpeed keeps beside the states; the memory estimator lists
+# them as terms of their own (the same names as tests/test_memory_calibration.py leaves out).
+BUFFER_ATTRIBUTES = (
+    "ipg_bucket",
+    "ipg_buffer",
+    "temp_grad_buffer",
+    "param_buffer_of_bit16_for_cpu_offload",
+    "_global_grad_norm",
+    "norm_for_param_grads",
+    "inf_or_nan_tracker",
+)
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One layout's pair of workers and the shape every layout shares."""
+
+    name: str
+    tp: int
+    sp: int
+    preset: str
+    precision: str
+    seq_len: int
+    micro_batch: int
+
+    @property
+    def dp(self) -> int:
+        return WORLD_SIZE // (self.tp * self.sp)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.dp * self.micro_batch * self.seq_len
+
+
+# ---------------------------------------------------------------- the worker side
+
+
+def _config(setup: Setup) -> Any:
+    from llmtrain.config import resolve
+
+    return resolve(
+        flags={
+            "preset": setup.preset,
+            "zero.stage": 1,
+            "train.precision": setup.precision,
+            "train.micro_batch": setup.micro_batch,
+            "train.seq_len": setup.seq_len,
+            "parallel.tp": setup.tp,
+            "parallel.sp": setup.sp,
+            "launch.gpus": WORLD_SIZE,
+        }
+    )
+
+
+def _reachable_tensors(
+    obj: Any, seen: set[int], out: list[tuple[str, Any]], path: str, depth: int = 0
+) -> None:
+    """Every tensor reachable from a DeepSpeed optimizer through attributes, lists and dicts."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return
+    if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        items: Any = enumerate(obj)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
+        items = vars(obj).items()
+    else:
+        return
+    for key, value in items:
+        _reachable_tensors(value, seen, out, f"{path}.{key}" if isinstance(key, str) else path, depth + 1)
+
+
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """This rank's parameter bytes and its model-state bytes (parameters, gradients, optimizer states)."""
+    params = [("param", p.data) for p in engine.module.parameters()]
+    others: list[tuple[str, Any]] = [
+        ("grad", p.grad) for p in engine.module.parameters() if p.grad is not None
+    ]
+    _reachable_tensors(engine.optimizer, set(), others, "optimizer")
+    counted: set[tuple[str, int]] = set()
+
+    def new_bytes(found: list[tuple[str, Any]]) -> int:
+        total = 0
+        for path, tensor in found:
+            storage = tensor.untyped_storage()
+            key = (tensor.device.type, storage.data_ptr())
+            if storage.nbytes() == 0 or key in counted or any(b in path for b in BUFFER_ATTRIBUTES):
+                continue
+            counted.add(key)
+            total += storage.nbytes()
+        return total
+
+    # Parameters first: ZeRO's flat bf16 buffers share their storage and count as parameters.
+    param_bytes = new_bytes(params)
+    return {"params": param_bytes, "total": param_bytes + new_bytes(others)}
+
+
+class Runner:
+    """The layout's engine as `llmtrain train` builds it, stepped on the benchmark's random batches."""
+
+    def __init__(self, setup: Setup) -> None:
+        from llmtrain.engine import ds_engine, dsconfig
+        from llmtrain.parallel import distributed
+
+        cfg = _config(setup)
+        world = distributed.init()
+        self.device = world.device
+        self.vocab_size = cfg.model.vocab_size
+        self.micro_batch = setup.micro_batch
+        ds_config = dsconfig.build(cfg, world.world_size, world.accelerator)
+        self.engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
+        self.batches: dict[int, list[dict[str, Any]]] = {}
+        self.steps = 0
+
+    def _batch(self, seq_len: int) -> dict[str, Any]:
+        # Every rank draws the same batches: tp and sp ranks must see the same samples.
+        if seq_len not in self.batches:
+            self.batches[seq_len] = random_batches(self.vocab_size, self.micro_batch, seq_len)
+        batches = self.batches[seq_len]
+        return {k: v.to(self.device) for k, v in batches[self.steps % len(batches)].items()}
+
+    def backward(self, seq_len: int) -> float:
+        loss = self.engine(**self._batch(seq_len))
+        self.engine.backward(loss)
+        self.steps += 1
+        return float(loss.detach())
+
+    def step(self, seq_len: int) -> float:
+        import torch
+
+        loss = self.backward(seq_len)
+        self.engine.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss
+
+
+def answer(runner: Runner, setup: Setup, command: str, args: list[str]) -> dict[str, Any]:
+    """The reply to one command from the parent."""
+    if command == "step":
+        started = time.perf_counter()
+        loss = runner.step(setup.seq_len)
+        return {"seconds": time.perf_counter() - started, "loss": loss}
+    if command == "states":
+        runner.backward(setup.seq_len)  # the gradients held, as at a step's peak
+        states = model_state_bytes(runner.engine)
+        runner.engine.step()
+        return states
+    if command == "memory":
+        seq_len = int(args[0])
+        if seq_len not in runner.batches:
+            runner.step(seq_len)  # the first step at a length allocates what is sized by it and kept
+        return measure_step_memory(lambda: runner.step(seq_len), runner.device)
+    raise ValueError(f"unknown command {command!r}")
+
+
+def worker(setup: Setup) -> None:
+    """Build the layout's engine, say `ready`, then answer `step`, `states` and `memory SEQ_LEN` until `quit`.
+
+    Replies go to the original stdout as JSON lines; everything libraries print goes to stderr.
+    """
+    import torch
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    torch.set_num_threads(THREADS)
+    runner = Runner(setup)
+    replies.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "quit":
+            break
+        replies.write(json.dumps(answer(runner, setup, command, args)) + "\n")
+    from llmtrain.parallel import distributed
+
+    distributed.shutdown()  # barrier and destroy_process_group: without them gloo aborts at exit now and then
+
+
+# ---------------------------------------------------------------- the parent side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pair:
+    """The two ranks of one layout; every command goes to both, and both answer."""
+
+    def __init__(self, setup: Setup, log_dir: Path) -> None:
+        self.setup = setup
+        port = _free_port()
+        self.logs = [log_dir / f"{setup.name}-rank{rank}.log" for rank in range(WORLD_SIZE)]
+        self.procs = [self._start(rank, port) for rank in range(WORLD_SIZE)]
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def _start(self, rank: int, port: int) -> subprocess.Popen[str]:
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(WORLD_SIZE),
+            LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        with open(self.logs[rank], "w") as log:  # the worker keeps its own copy of the descriptor
+            return subprocess.Popen(
+                [sys.executable, "-m", "bench.bench_parallel", "--worker", json.dumps(asdict(self.setup))],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    def send(self, command: str) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(command + "\n")
+            proc.stdin.flush()
+
+    def replies(self) -> list[dict[str, Any]]:
+        out = []
+        for rank, proc in enumerate(self.procs):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                tail = "".join(self.logs[rank].read_text().splitlines(keepends=True)[-30:])
+                raise RuntimeError(f"bench worker {self.setup.name} rank {rank} died:\n{tail}")
+            out.append(json.loads(line))
+        return out
+
+    def ask(self, command: str) -> list[dict[str, Any]]:
+        self.send(command)
+        return self.replies()
+
+    def step(self) -> None:
+        """One optimizer step on both ranks; the step takes as long as its slower rank."""
+        replies = self.ask("step")
+        self.times.append(max(r["seconds"] for r in replies))
+        self.losses.append(replies[0]["loss"])
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.send("quit")
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def pairs(setups: list[Setup], log_dir: Path) -> Iterator[list[Pair]]:
+    started: list[Pair] = []
+    try:
+        for setup in setups:
+            started.append(Pair(setup, log_dir))
+        for pair in started:
+            pair.replies()  # ready
+        yield started
+    finally:
+        for pair in started:
+            pair.close()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One layout's figures, per rank unless said otherwise (the larger rank's where they differ)."""
+
+    setup: Setup
+    param_bytes: int
+    state_bytes: int
+    tokens_per_sec: float  # the whole job's
+    step_peak_mib: dict[int, float]  # seq_len -> step peak
+    losses: list[float]
+
+
+def measure(setups: list[Setup], args: argparse.Namespace, log_dir: Path) -> list[Measured]:
+    """Interleaved timed steps of every layout, then each one's model states and step peaks."""
+    with pairs(setups, log_dir) as group:
+        for round_ in range(args.warmup + args.steps):
+            for pair in group if round_ % 2 == 0 else reversed(group):
+                pair.step()
+        results = []
+        for pair in group:
+            states = pair.ask("states")
+            seq_lens = args.memory_seq_lens if pair.setup.name in BUDGET_LAYOUTS else [args.seq_len]
+            peaks = {n: max(r["step_peak_mib"] for r in pair.ask(f"memory {n}")) for n in seq_lens}
+            results.append(
+                Measured(
+                    setup=pair.setup,
+                    param_bytes=max(s["params"] for s in states),
+                    state_bytes=max(s["total"] for s in states),
+                    tokens_per_sec=pair.setup.tokens_per_step / statistics.median(pair.times[args.warmup :]),
+                    step_peak_mib=peaks,
+                    losses=pair.losses,
+                )
+            )
+    return results
+
+
+# ---------------------------------------------------------------- the seq_len that fits a budget
+
+
+@dataclass(frozen=True)
+class Fit:
+    """step peak (MiB) = intercept + slope * seq_len, least squares over the measured seq_lens."""
+
+    intercept: float
+    slope: float
+    max_residual: float
+
+    @classmethod
+    def of(cls, points: dict[int, float]) -> Fit:
+        xs, ys = list(points), list(points.values())
+        slope, intercept = statistics.linear_regression(xs, ys)
+        residual = max(abs(y - (intercept + slope * x)) for x, y in zip(xs, ys, strict=True))
+        return cls(intercept, slope, residual)
+
+    def longest_seq_len(self, budget_mib: float) -> int:
+        """The longest seq_len (a multiple of SEQ_LEN_STEP) whose fitted peak is within the budget; 0 if none."""
+        if self.slope <= 0:
+            raise ValueError(f"step peak does not grow with seq_len (slope {self.slope:.4f} MiB/token)")
+        longest = (budget_mib - self.intercept) / self.slope
+        return max(0, int(longest) // SEQ_LEN_STEP * SEQ_LEN_STEP)
+
+
+# ---------------------------------------------------------------- printing
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def print_table(results: list[Measured], default_seq: int) -> dict[str, Any]:
+    base = results[0]
+    print(
+        f"  {'layout':<7}{'model states/rank':>20}{'(params)':>14}{'step peak/rank':>17}{'tokens/s (job)':>17}"
+        f"   loss first -> last"
+    )
+    out: dict[str, Any] = {}
+    for m in results:
+        peak = m.step_peak_mib[default_seq]
+        print(
+            f"  {m.setup.name:<7}{_mib(m.state_bytes):>20}{_mib(m.param_bytes):>14}"
+            f"{peak:>13,.0f} MiB{m.tokens_per_sec:>17,.0f}   {m.losses[0]:.3f} -> {m.losses[-1]:.3f}"
+        )
+        out[m.setup.name] = {
+            "model_state_bytes": m.state_bytes,
+            "param_bytes": m.param_bytes,
+            "step_peak_mib": peak,
+            "tokens_per_sec": m.tokens_per_sec,
+        }
+    for m in results[1:]:
+        ratios = {
+            "model_states": m.state_bytes / base.state_bytes,
+            "step_peak": m.step_peak_mib[default_seq] / base.step_peak_mib[default_seq],
+            "tokens_per_sec": m.tokens_per_sec / base.tokens_per_sec,
+        }
+        print(
+            f"  {m.setup.name}/{base.setup.name}: model states {ratios['model_states']:.2f}x, "
+            f"step peak {ratios['step_peak']:.2f}x, tokens/s {ratios['tokens_per_sec']:.2f}x"
+        )
+        out[m.setup.name]["ratios_to_" + base.setup.name] = ratios
+    return out
+
+
+def print_budget(results: list[Measured], budget_mib: float) -> dict[str, Any]:
+    by_name = {m.setup.name: m for m in results}
+    out: dict[str, Any] = {}
+    for name in BUDGET_LAYOUTS:
+        m = by_name[name]
+        fit = Fit.of(m.step_peak_mib)
+        longest = fit.longest_seq_len(budget_mib)
+        measured = ", ".join(f"{n}: {p:,.0f}" for n, p in m.step_peak_mib.items())
+        where = (
+            "interpolated: within the measured seq_lens"
+            if longest <= max(m.step_peak_mib)
+            else "EXTRAPOLATED beyond the largest measured seq_len"
+        )
+        print(
+            f"  {name}: measured step peak (MiB) {measured}; fitted {fit.intercept:,.0f} MiB + "
+            f"{fit.slope * 1024:,.1f} MiB per 1k tokens of seq_len (largest residual {fit.max_residual:,.1f} MiB)"
+            f" -> longest seq_len {longest:,} ({where})"
+        )
+        out[name] = {
+            "measured_step_peak_mib": m.step_peak_mib,
+            "fit": asdict(fit),
+            "longest_seq_len": longest,
+        }
+    ratio = out["sp2"]["longest_seq_len"] / max(out["dp2"]["longest_seq_len"], 1)
+    print(f"  sp2/dp2 longest seq_len within {budget_mib:,.0f} MiB: {ratio:.2f}x")
+    out["sp2_over_dp2"] = ratio
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_parallel", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--preset", default="tiny", help="model size (llmtrain's presets)")
+    # fp32 by default: bf16 at ZeRO 1 with sp fails in DeepSpeed 0.19.8's BF16_Optimizer (its grad
+    # norm skips every replicated gradient on sp rank 1, leaving it an empty list to stack).
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--seq-len", type=int, default=256, help="seq_len of the timed steps")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (the median counts)")
+    parser.add_argument(
+        "--memory-seq-lens",
+        type=lambda s: sorted({int(n) for n in s.split(",")}),
+        default=[256, 512, 1024],
+        help="comma-separated seq_lens whose step peak is measured (the fit's points)",
+    )
+    # 512 MiB: with the default shape both answers fall within the measured seq_lens. At 1,024 MiB the
+    # line extrapolated sp2 to 1,920 tokens, where its peak measured 16% above the line.
+    parser.add_argument("--budget-mib", type=float, default=512.0, help="per-rank step-peak budget")
+    args = parser.parse_args(argv)
+    args.memory_seq_lens = sorted({*args.memory_seq_lens, args.seq_len})
+    if len(args.memory_seq_lens) < 2 or any(n % WORLD_SIZE for n in args.memory_seq_lens):
+        parser.error("the fit needs at least two seq_lens, and sp2 needs each to be even")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """`python -m bench` calls this with no arguments: the defaults."""
+    from llmtrain.presets import PRESETS, count_parameters
+
+    args = parse_args(argv or [])
+    setups = [
+        Setup(name, tp, sp, args.preset, args.precision, args.seq_len, args.micro_batch)
+        for name, (tp, sp) in LAYOUTS.items()
+    ]
+    params = count_parameters(**PRESETS[args.preset])
+    print(
+        f"{args.preset} preset ({params / 1e6:.1f}M parameters), {args.precision}, ZeRO 1, world size "
+        f"{WORLD_SIZE} per layout, {THREADS} thread(s) per rank (BENCH_THREADS), micro-batch {args.micro_batch} "
+        f"per rank, seq_len {args.seq_len}; layouts in their own process pairs, steps interleaved; "
+        f"median over {args.steps} steps after {args.warmup} warm-up"
+    )
+    with tempfile.TemporaryDirectory(prefix="bench_parallel-") as tmp:
+        results = measure(setups, args, Path(tmp))
+    print("Measured (model states after a backward, on the larger rank; step peak above resident memory):")
+    table = print_table(results, args.seq_len)
+    print(
+        f"Longest seq_len whose step peak fits {args.budget_mib:,.0f} MiB per rank at micro-batch "
+        f"{args.micro_batch}: step peak measured at seq_len {', '.join(map(str, args.memory_seq_lens))}, "
+        "a straight line fitted per layout and solved for the budget:"
+    )
+    budget = print_budget(results, args.budget_mib)
+    return {"layouts": table, "budget": budget, "settings": vars(args)}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(Setup(**json.loads(sys.argv[2])))
+    else:
+        main(sys.argv[1:])
