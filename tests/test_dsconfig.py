@@ -122,6 +122,41 @@ def test_config_command_prints_stage3_cpu_offload_json() -> None:
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
+def test_config_command_shows_the_tensor_parallel_layout() -> None:
+    out = _cli("config", "--preset", "debug", "--gpus", "4", "--tp", "2", "--micro-batch", "2")
+    assert out.returncode == 0, out.stderr
+    ds = json.loads(out.stdout)  # stdout is the JSON alone
+    tp = ds["tensor_parallel"]
+    assert tp["autotp_size"] == 2
+    specs = {spec["partition_type"]: spec["patterns"] for spec in tp["partition_config"]["layer_specs"]}
+    assert specs == {"column": [dsconfig.TP_COLUMN_PATTERNS], "row": [dsconfig.TP_ROW_PATTERNS]}
+    # DeepSpeed counts the batch over data-parallel ranks: 2 per rank x dp 2, not x 4 processes.
+    assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (4, 1)
+    assert "layout: dp 2 x tp 2 over 4 processes; tp groups [0, 1] [2, 3]" in out.stderr
+
+
+def test_tp_patterns_split_the_projections_and_nothing_else() -> None:
+    import re
+
+    from llmtrain.model import build_model
+
+    names = [n for n, _ in build_model(c.resolve(flags={"preset": "debug"}).model, "meta").named_parameters()]
+    column = {n.split(".")[-2] for n in names if re.match(dsconfig.TP_COLUMN_PATTERNS, n)}
+    row = {n.split(".")[-2] for n in names if re.match(dsconfig.TP_ROW_PATTERNS, n)}
+    assert column == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert row == {"o_proj", "down_proj"}
+    assert not any(
+        re.match(dsconfig.TP_COLUMN_PATTERNS, n) for n in ("embed_tokens.weight", "lm_head.weight")
+    )
+
+
+def test_zero3_with_sp_reduces_by_all_reduce_in_buckets_holding_the_largest_parameter() -> None:
+    cfg = c.resolve(flags={"preset": "debug", "launch.gpus": 2, "parallel.sp": 2, "zero.stage": 3})
+    zero = dsconfig.build(cfg, 2)["zero_optimization"]
+    assert zero["reduce_scatter"] is False
+    assert zero["reduce_bucket_size"] >= cfg.model.vocab_size * cfg.model.hidden_size
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

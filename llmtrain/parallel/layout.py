@@ -61,6 +61,14 @@ class Layout:
         return " x ".join(parts)
 
 
+    def groups(self) -> str:
+        """The model-parallel groups by rank, as DeepSpeed is given them: `tp groups [0, 1] [2, 3]`."""
+        axis = "tp" if self.tp > 1 else "sp"
+        size = self.model_parallel
+        ranks = [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+        return f"{axis} groups " + " ".join(str(r) for r in ranks)
+
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{flag_for(key)}: {message}")
