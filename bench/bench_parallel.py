@@ -46,17 +46,6 @@ BUDGET_LAYOUTS = ("dp2", "sp2")  # whose step peak is measured at every --memory
 # A fitted seq_len is rounded down to a multiple of this: the fit is not finer, and the result stays
 # divisible by sp.
 SEQ_LEN_STEP = 64
-# Communication and staging buffers DeepSpeed keeps beside the states; the memory estimator lists
-# them as terms of their own (the same names as tests/test_memory_calibration.py leaves out).
-BUFFER_ATTRIBUTES = (
-    "ipg_bucket",
-    "ipg_buffer",
-    "temp_grad_buffer",
-    "param_buffer_of_bit16_for_cpu_offload",
-    "_global_grad_norm",
-    "norm_for_param_grads",
-    "inf_or_nan_tracker",
-)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -99,55 +88,6 @@ def _config(setup: Setup) -> Any:
             "launch.gpus": WORLD_SIZE,
         }
     )
-
-
-def _reachable_tensors(
-    obj: Any, seen: set[int], out: list[tuple[str, Any]], path: str, depth: int = 0
-) -> None:
-    """Every tensor reachable from a DeepSpeed optimizer through attributes, lists and dicts."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-        return
-    if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, (list, tuple)):
-        items: Any = enumerate(obj)
-    elif isinstance(obj, dict):
-        items = obj.items()
-    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
-        items = vars(obj).items()
-    else:
-        return
-    for key, value in items:
-        _reachable_tensors(value, seen, out, f"{path}.{key}" if isinstance(key, str) else path, depth + 1)
-
-
-def model_state_bytes(engine: Any) -> dict[str, int]:
-    """This rank's parameter bytes and its model-state bytes (parameters, gradients, optimizer states)."""
-    params = [("param", p.data) for p in engine.module.parameters()]
-    others: list[tuple[str, Any]] = [
-        ("grad", p.grad) for p in engine.module.parameters() if p.grad is not None
-    ]
-    _reachable_tensors(engine.optimizer, set(), others, "optimizer")
-    counted: set[tuple[str, int]] = set()
-
-    def new_bytes(found: list[tuple[str, Any]]) -> int:
-        total = 0
-        for path, tensor in found:
-            storage = tensor.untyped_storage()
-            key = (tensor.device.type, storage.data_ptr())
-            if storage.nbytes() == 0 or key in counted or any(b in path for b in BUFFER_ATTRIBUTES):
-                continue
-            counted.add(key)
-            total += storage.nbytes()
-        return total
-
-    # Parameters first: ZeRO's flat bf16 buffers share their storage and count as parameters.
-    param_bytes = new_bytes(params)
-    return {"params": param_bytes, "total": param_bytes + new_bytes(others)}
 
 
 class Runner:
@@ -198,9 +138,11 @@ def answer(runner: Runner, setup: Setup, command: str, args: list[str]) -> dict[
         return {"seconds": time.perf_counter() - started, "loss": loss}
     if command == "states":
         runner.backward(setup.seq_len)  # the gradients held, as at a step's peak
-        states = model_state_bytes(runner.engine)
+        from llmtrain.engine.ds_engine import held_model_states
+
+        held = held_model_states(runner.engine)
         runner.engine.step()
-        return states
+        return {"params": held.params, "total": held.total}
     if command == "memory":
         seq_len = int(args[0])
         if seq_len not in runner.batches:

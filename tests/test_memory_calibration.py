@@ -18,17 +18,8 @@ from dist import run_distributed
 
 from llmtrain import memory
 from llmtrain.config import resolve
+from llmtrain.engine.ds_engine import held_model_states
 
-# Buffers the estimator lists as communication/staging terms, not model states.
-BUFFER_ATTRIBUTES = (
-    "ipg_bucket",
-    "ipg_buffer",
-    "temp_grad_buffer",
-    "param_buffer_of_bit16_for_cpu_offload",
-    "_global_grad_norm",
-    "norm_for_param_grads",
-    "inf_or_nan_tracker",
-)
 ENGINE_CASES = [
     (0, "none", "bf16"),
     (1, "none", "bf16"),
@@ -71,62 +62,13 @@ def _key(case: tuple) -> str:
     return "/".join(map(str, case))
 
 
-def _tensors(
-    obj: Any, path: str, seen: set[int], out: list[tuple[str, torch.Tensor]], depth: int = 0
-) -> None:
-    """Every tensor reachable from a DeepSpeed optimizer through attributes, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-        return
-    if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, (list, tuple)):
-        items: Any = enumerate(obj)
-    elif isinstance(obj, dict):
-        items = obj.items()
-    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
-        items = vars(obj).items()
-    else:
-        return
-    for key, value in items:
-        _tensors(value, f"{path}.{key}" if isinstance(key, str) else path, seen, out, depth + 1)
-
-
-def held_model_state_bytes(engine: Any) -> int:
-    """Bytes of parameters, gradients and optimizer states the engine holds, each storage once."""
-    found: list[tuple[str, torch.Tensor]] = []
-    _tensors(engine.optimizer, "optimizer", set(), found)
-    for group in engine.optimizer.param_groups:  # fp32 master partitions and their (offloaded) grads
-        for master in group["params"]:
-            found.append(("master", master))
-            if master.grad is not None:
-                found.append(("master.grad", master.grad))
-    for name, param in engine.module.named_parameters():
-        found.append((name, param.data))
-        if hasattr(param, "ds_tensor"):
-            found.append((name, param.ds_tensor))
-        if param.grad is not None:
-            found.append((name + ".grad", param.grad))
-    counted: set[tuple[str, int]] = set()
-    total = 0
-    for path, tensor in found:
-        storage = tensor.untyped_storage()
-        key = (tensor.device.type, storage.data_ptr())
-        if storage.nbytes() == 0 or key in counted or any(b in path for b in BUFFER_ATTRIBUTES):
-            continue
-        counted.add(key)
-        total += storage.nbytes()
-    return total
-
-
 def _held_at_peak(engine: Any, seed: int) -> int:
     """Model-state bytes after a step (Adam's moments exist) and the next backward (gradients held)."""
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(seed))  # debug vocabulary
     engine.backward(engine(ids, labels=ids))
     engine.step()
     engine.backward(engine(ids, labels=ids))
-    held = held_model_state_bytes(engine)
+    held = held_model_states(engine).total
     engine.destroy()
     return held
 

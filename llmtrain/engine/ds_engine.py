@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,3 +70,76 @@ def update_suppressed(optimizer: Any, suppress: bool) -> Iterator[None]:
         yield
     finally:
         del optimizer.step
+
+
+# Buffers DeepSpeed keeps beside the model states (reduce buckets, staging copies, norm scratch): the
+# memory estimator lists them as terms of their own, so they are not model-state bytes.
+BUFFER_ATTRIBUTES = (
+    "ipg_bucket",
+    "ipg_buffer",
+    "temp_grad_buffer",
+    "param_buffer_of_bit16_for_cpu_offload",
+    "_global_grad_norm",
+    "norm_for_param_grads",
+    "inf_or_nan_tracker",
+)
+
+
+@dataclass(frozen=True)
+class HeldStates:
+    params: int  # parameter storage on this rank (ZeRO's flat low-precision buffers included)
+    total: int  # parameters, gradients and optimizer states (fp32 masters and moments)
+
+
+def held_model_states(engine: Any) -> HeldStates:
+    """Bytes of the model states this rank's engine holds, each storage counted once: what the memory
+    estimator's model-state terms predict (the calibration tests and `bench parallel` measure it)."""
+    params: list[tuple[str, torch.Tensor]] = []
+    for name, param in engine.module.named_parameters():
+        params.append((name, param.data))
+        if hasattr(param, "ds_tensor"):  # ZeRO-3's partition
+            params.append((name, param.ds_tensor))
+    others = [(n + ".grad", p.grad) for n, p in engine.module.named_parameters() if p.grad is not None]
+    _reachable_tensors(engine.optimizer, "optimizer", set(), others)
+    for group in engine.optimizer.param_groups:  # fp32 master partitions and their (offloaded) grads
+        for master in group["params"]:
+            others.append(("master", master))
+            if master.grad is not None:
+                others.append(("master.grad", master.grad))
+    counted: set[tuple[str, int]] = set()
+    param_bytes = _new_bytes(params, counted)  # first: ZeRO's flat buffers share storage with params
+    return HeldStates(param_bytes, param_bytes + _new_bytes(others, counted))
+
+
+def _new_bytes(found: list[tuple[str, torch.Tensor]], counted: set[tuple[str, int]]) -> int:
+    total = 0
+    for path, tensor in found:
+        storage = tensor.untyped_storage()
+        key = (tensor.device.type, storage.data_ptr())
+        if storage.nbytes() == 0 or key in counted or any(b in path for b in BUFFER_ATTRIBUTES):
+            continue
+        counted.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _reachable_tensors(
+    obj: Any, path: str, seen: set[int], out: list[tuple[str, torch.Tensor]], depth: int = 0
+) -> None:
+    """Every tensor reachable from a DeepSpeed optimizer through attributes, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return
+    if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        items: Any = enumerate(obj)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
+        items = vars(obj).items()
+    else:
+        return
+    for key, value in items:
+        _reachable_tensors(value, f"{path}.{key}" if isinstance(key, str) else path, seen, out, depth + 1)

@@ -60,7 +60,6 @@ class Layout:
         parts = [f"dp {self.dp}"] + [f"{n} {d}" for n, d in (("tp", self.tp), ("sp", self.sp)) if d > 1]
         return " x ".join(parts)
 
-
     def groups(self) -> str:
         """The model-parallel groups by rank, as DeepSpeed is given them: `tp groups [0, 1] [2, 3]`."""
         axis = "tp" if self.tp > 1 else "sp"
