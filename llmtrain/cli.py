@@ -159,7 +159,6 @@ def config_cmd(
         return
     from llmtrain.engine import dsconfig
     from llmtrain.parallel.distributed import select_accelerator
-    from llmtrain.parallel.layout import Layout
 
     cfg = resolve_config(cfg_args)
     if resolved:
@@ -170,7 +169,7 @@ def config_cmd(
         raise ConfigError(f"--world-size: must be at least 1, got {world}")
     ds = dsconfig.build(cfg, world, accelerator=select_accelerator())
     _emit(json.dumps(ds, indent=2) + "\n", out)
-    layout = Layout.of(cfg, world)
+    layout = cfg.layout(world)
     if layout.model_parallel > 1:  # on stderr: stdout stays the JSON alone
         typer.echo(f"layout: {layout.describe()} over {world} processes; {layout.groups()}", err=True)
 

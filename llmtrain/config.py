@@ -21,7 +21,8 @@ import yaml
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
-from llmtrain.parallel import layout, rules
+from llmtrain.parallel import rules
+from llmtrain.parallel.layout import Layout, check_shape
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
 
 
@@ -194,6 +195,15 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         return self.launch.gpus * self.launch.nodes
+
+    def layout(self, world_size: int | None = None) -> Layout:
+        """The run's layout over `world_size` processes (default: the ones it launches)."""
+        return Layout(world_size or self.world_size, self.parallel.tp, self.parallel.sp)
+
+    def choice(self, accelerator: str | None = None) -> rules.Choice:
+        """This config's point of the layout space, for rules.check."""
+        z, p = self.zero, self.parallel
+        return rules.Choice(z.stage, z.offload, self.train.precision, accelerator, p.tp, p.sp)
 
     @property
     def data_parallel(self) -> int:
@@ -553,7 +563,7 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(cfg.launch.nodes > 0, "launch.nodes", f"must be at least 1, got {cfg.launch.nodes}")
     if t.global_batch is not None:
         _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
-    layout.check(layout.Layout.of(cfg), cfg)
+    check_layout(cfg, cfg.layout())
     rules.batch_triple(t.micro_batch, t.global_batch, cfg.data_parallel)
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
@@ -566,10 +576,22 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(0 < s.decay_fraction <= 1, "schedule.decay_fraction", "must be in (0, 1]")
 
 
+def check_layout(cfg: TrainConfig, layout: Layout) -> None:
+    """`layout` against the config's model shape and sequence length (parallel.layout.check_shape)."""
+    m = cfg.model
+    check_shape(
+        layout,
+        heads=m.num_attention_heads,
+        kv_heads=m.num_key_value_heads,
+        mlp_width=m.intermediate_size,
+        seq_len=cfg.train.seq_len,
+    )
+
+
 def _validate_zero(cfg: TrainConfig) -> None:
     z = cfg.zero
     _require(z.stage in (0, 1, 2, 3), "zero.stage", f"invalid stage {z.stage}; valid values: 0, 1, 2, 3")
-    rules.check(rules.choice_of(cfg))
+    rules.check(cfg.choice())
     _require(
         not (z.offload == "nvme" and not z.nvme_path),
         "zero.nvme_path",

@@ -10,7 +10,7 @@ import pytest
 
 from llmtrain import memory
 from llmtrain.cli import main
-from llmtrain.config import ConfigError, resolve
+from llmtrain.config import ConfigError, check_layout, resolve
 from llmtrain.memory import formulas
 from llmtrain.parallel import layout, rules
 from llmtrain.presets import PRESETS, count_parameters
@@ -145,7 +145,7 @@ def test_fit_search_proposes_only_layouts_train_accepts_within_a_node() -> None:
         assert 4 % (c.tp * c.sp) == 0
         rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", c.tp, c.sp))
         lay = layout.Layout(8, c.tp, c.sp)
-        layout.check(lay, setup.cfg)
+        check_layout(setup.cfg, lay)
         assert c.layout == lay.describe()
         est = memory.estimate(
             setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp)
@@ -170,7 +170,22 @@ def test_cli_estimates_a_tp_layout(capsys: pytest.CaptureFixture[str], monkeypat
     assert (doc["setup"]["tp"], doc["setup"]["layout"], doc["setup"]["zero_group"]) == (2, "dp 4 x tp 2", 4)
     assert {r["term"]: r["bytes"] for r in doc["per_gpu"]}["parameters"] == 2 * 3_500_412_928
     assert (
-        main(["estimate-memory", "--preset", "7b", "--sp", "2", "--gpus", "8", "--gpu-memory", "80GB"]) == 0
+        main(
+            [
+                "estimate-memory",
+                "--preset",
+                "7b",
+                "--sp",
+                "2",
+                "--zero",
+                "2",
+                "--gpus",
+                "8",
+                "--gpu-memory",
+                "80GB",
+            ]
+        )
+        == 0
     )
     out = capsys.readouterr().out
     assert "dp 4 x sp 2" in out and "Ulysses all-to-all buffers" in out

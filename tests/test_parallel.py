@@ -4,8 +4,9 @@
   each with ZeRO 1 and ZeRO 3 (sp also with document masking), give the losses of one process on the
   same global batch, to a relative 1e-5. One launch per world size: the scenarios build their engines
   in turn (the sp ones first: AutoTP switches DeepSpeed into a training mode that stays for the process).
-- SIGKILL mid-run and `resume` under --tp 2 and under --sp 2, through the command line: every step's
-  loss, lr and grad norm bitwise equal to the uninterrupted run's; resuming on another layout is refused.
+- Through the command line: `train --gpus 2 --tp 2` (and --sp 2) follows a one-process `train` to 1e-5;
+  SIGKILL mid-run and `resume` give every step's loss, lr and grad norm bitwise equal to the
+  uninterrupted run's; resuming on another layout is refused in one line.
 """
 
 from __future__ import annotations
@@ -157,11 +158,24 @@ def _run(args: list[str], log: Path) -> str:
     return output
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """`llmtrain train` on one process with the flags of the runs below: their global batch."""
+    run_dir = tmp_path_factory.mktemp("one_process") / "run"
+    _run(train_args(run_dir, KILL_STEPS, SAVE_EVERY, gpus=1), run_dir.parent / "run.log")
+    return losses(run_dir)
+
+
 @pytest.mark.parametrize("axis", ["tp", "sp"])
-def test_sigkill_then_resume_is_bitwise_exact(tmp_path: Path, axis: str) -> None:
+def test_sigkill_then_resume_is_bitwise_exact(
+    tmp_path: Path, axis: str, one_process: dict[int, float]
+) -> None:
     layout = [f"--{axis}", "2"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     _run(train_args(reference, KILL_STEPS, SAVE_EVERY, *layout), tmp_path / "reference.log")
+    # `llmtrain train --gpus 2 --tp 2` (or --sp 2) itself follows the one-process run.
+    steps = sorted(one_process)
+    assert _rel_diff([losses(reference)[s] for s in steps], [one_process[s] for s in steps]) < REL_TOL
 
     run = start(train_args(killed, KILL_STEPS, SAVE_EVERY, *layout), tmp_path / "killed.log", run_env())
     wait_for(

@@ -13,7 +13,7 @@ import torch
 
 from llmtrain.config import TrainConfig
 from llmtrain.model import Llama, build_model
-from llmtrain.parallel.layout import Layout, process_groups
+from llmtrain.parallel.layout import process_groups
 
 
 def build_engine(
@@ -27,7 +27,7 @@ def build_engine(
     """
     import deepspeed
 
-    mpu = process_groups(Layout.of(cfg, world_size))
+    mpu = process_groups(cfg.layout(world_size))
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     if cfg.parallel.sp > 1:

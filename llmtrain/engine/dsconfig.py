@@ -12,7 +12,6 @@ from typing import Any
 
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.parallel import rules
-from llmtrain.parallel.layout import Layout
 
 # Buckets below this many elements only add per-collective latency: a whole small model fits in one.
 MIN_BUCKET_ELEMENTS = 1 << 20
@@ -41,8 +40,8 @@ def build(
     `load_universal`: the run resumes from a checkpoint converted to DeepSpeed's universal format
     (saved at another world size).
     """
-    rules.check(rules.choice_of(cfg, accelerator))
-    layout = Layout.of(cfg, world_size)
+    rules.check(cfg.choice(accelerator))
+    layout = cfg.layout(world_size)
     # DeepSpeed counts the batch over its data-parallel ranks (the mpu's), as batch_triple does.
     train_batch, micro, accum = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, layout.dp)
     ds: dict[str, Any] = {

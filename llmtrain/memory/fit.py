@@ -11,9 +11,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from llmtrain.config import check_layout
 from llmtrain.errors import ConfigError
 from llmtrain.memory.formulas import Setup, estimate
-from llmtrain.parallel import layout, rules
+from llmtrain.parallel import rules
+from llmtrain.parallel.layout import Layout
 
 # The fit search estimates layouts for GPUs: rules about other accelerators do not apply.
 ACCELERATOR = "cuda"
@@ -60,7 +62,7 @@ def speed_key(c: Candidate) -> tuple[int, int, int, int, int, int]:
 
 def degrees(setup: Setup) -> list[tuple[int, int]]:
     """(tp, sp) pairs to search: degrees whose product divides the GPUs of one node (tp and sp talk in
-    every layer, so their ranks stay on a node's links), that layout.check accepts for the model and
+    every layer, so their ranks stay on a node's links), that config.check_layout accepts for the model and
     sequence length. A bare --params has no shape to split: only its own layout."""
     if not setup.shape_known:
         return [(setup.layout.tp, setup.layout.sp)]
@@ -69,7 +71,7 @@ def degrees(setup: Setup) -> list[tuple[int, int]]:
     found = []
     for tp, sp in itertools.product(divisors, divisors):
         try:
-            layout.check(layout.Layout(setup.world_size, tp, sp), setup.cfg)
+            check_layout(setup.cfg, Layout(setup.world_size, tp, sp))
         except ConfigError:
             continue
         if gpus % (tp * sp) == 0:

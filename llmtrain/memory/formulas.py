@@ -86,7 +86,7 @@ class Setup:
 
     @cached_property
     def layout(self) -> Layout:
-        return Layout.of(self.cfg)
+        return self.cfg.layout()
 
     @property
     def zero_group(self) -> int:

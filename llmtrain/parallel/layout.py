@@ -18,13 +18,10 @@ layer, so its ranks should be the closest ones: one node, NVLink). Only one of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
-
-if TYPE_CHECKING:
-    from llmtrain.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -32,11 +29,6 @@ class Layout:
     world_size: int
     tp: int = 1
     sp: int = 1
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, world_size: int | None = None) -> Layout:
-        """The run's layout over `world_size` processes (default: the one the config launches)."""
-        return cls(world_size or cfg.world_size, cfg.parallel.tp, cfg.parallel.sp)
 
     @property
     def model_parallel(self) -> int:
@@ -73,9 +65,9 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{flag_for(key)}: {message}")
 
 
-def check(layout: Layout, cfg: TrainConfig) -> None:
-    """What DeepSpeed cannot split: a one-line error naming the flag, before any process starts."""
-    m = cfg.model
+def check_shape(layout: Layout, *, heads: int, kv_heads: int, mlp_width: int, seq_len: int) -> None:
+    """What DeepSpeed cannot split of this model and sequence length: a one-line error naming the flag,
+    before any process starts (config.check_layout passes the config's numbers)."""
     for key, degree in (("parallel.tp", layout.tp), ("parallel.sp", layout.sp)):
         _require(degree >= 1, key, f"must be at least 1, got {degree}")
     _require(
@@ -88,22 +80,19 @@ def check(layout: Layout, cfg: TrainConfig) -> None:
         if degree == 1:
             continue
         # Heads are split whole, and each rank's query heads must share its key/value heads.
-        for count, name in (
-            (m.num_attention_heads, "attention heads"),
-            (m.num_key_value_heads, "key/value heads"),
-        ):
+        for count, name in ((heads, "attention heads"), (kv_heads, "key/value heads")):
             _require(count % degree == 0, key, f"{count} {name} are not divisible by {what} {degree}")
     if layout.tp > 1:
         _require(
-            m.intermediate_size % layout.tp == 0,
+            mlp_width % layout.tp == 0,
             "parallel.tp",
-            f"MLP width {m.intermediate_size} is not divisible by tp {layout.tp}",
+            f"MLP width {mlp_width} is not divisible by tp {layout.tp}",
         )
     if layout.sp > 1:
         _require(
-            cfg.train.seq_len % layout.sp == 0,
+            seq_len % layout.sp == 0,
             "parallel.sp",
-            f"--seq-len {cfg.train.seq_len} is not divisible by sp {layout.sp}; each rank holds an equal slice",
+            f"--seq-len {seq_len} is not divisible by sp {layout.sp}; each rank holds an equal slice",
         )
 
 

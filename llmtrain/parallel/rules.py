@@ -13,13 +13,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
-
-if TYPE_CHECKING:
-    from llmtrain.config import TrainConfig
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")  # fastest first: each moves states over a slower link every step
@@ -36,11 +32,6 @@ class Choice:
     accelerator: str | None = None
     tp: int = 1
     sp: int = 1
-
-
-def choice_of(cfg: TrainConfig, accelerator: str | None = None) -> Choice:
-    z, p = cfg.zero, cfg.parallel
-    return Choice(z.stage, z.offload, cfg.train.precision, accelerator, p.tp, p.sp)
 
 
 @dataclass(frozen=True)

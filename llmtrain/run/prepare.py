@@ -24,7 +24,7 @@ from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
-from llmtrain.parallel.layout import Layout, check_resume
+from llmtrain.parallel.layout import check_resume
 from llmtrain.train import faults, schedule
 
 # Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
@@ -98,7 +98,7 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
     check_launch(cfg)
     newest = checkpoint.list_complete(root)
     if newest:
-        check_resume(Layout.of(cfg), newest[-1].world_size)
+        check_resume(cfg.layout(), newest[-1].world_size)
     schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 
@@ -108,7 +108,7 @@ def derive(cfg: TrainConfig) -> None:
     global batch (from the launcher's world size when inside one: torchrun --nnodes 2 runs
     `train --gpus 1` twice) and the warmup; then check the schedule against the run's length."""
     world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else cfg.world_size
-    data_parallel = Layout.of(cfg, world_size).dp
+    data_parallel = cfg.layout(world_size).dp
     cfg.train.global_batch = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, data_parallel)[
         0
     ]

@@ -28,7 +28,7 @@ from llmtrain.engine import ds_engine, dsconfig
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
-from llmtrain.parallel.layout import Layout, check_resume
+from llmtrain.parallel.layout import check_resume
 from llmtrain.train import faults, schedule
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger
@@ -96,7 +96,7 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     root = rundir.checkpoint_root(run_dir)
     choice = checkpoint.choose_checkpoint(root, cfg.checkpoint.strict) if resume else None
     if choice is not None:
-        check_resume(Layout.of(cfg, world.world_size), choice.info.world_size)
+        check_resume(cfg.layout(world.world_size), choice.info.world_size)
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
     ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
     if world.is_main:
@@ -126,7 +126,7 @@ class Trainer:
         self.hooks = Hooks(faults.hooks_from_env(world.rank))  # fault injection when LLMTRAIN_FAULTS is set
         self.ckpt_root = rundir.checkpoint_root(run_dir)
         # The ranks of one tp or sp group read the same samples: the loader sees data-parallel ranks.
-        self.layout = Layout.of(cfg, world.world_size)
+        self.layout = cfg.layout(world.world_size)
         self.loader = TrainLoader(
             prepared,
             cfg.train.seq_len,
