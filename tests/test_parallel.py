@@ -4,6 +4,7 @@
   each with ZeRO 1 and ZeRO 3 (sp also with document masking), give the losses of one process on the
   same global batch, to a relative 1e-5. One launch per world size: the scenarios build their engines
   in turn (the sp ones first: AutoTP switches DeepSpeed into a training mode that stays for the process).
+- A NaN loss on one rank skips that update on every rank of a tp or an sp group.
 - Through the command line: `train --gpus 2 --tp 2` (and --sp 2) follows a one-process `train` to 1e-5;
   SIGKILL mid-run and `resume` give every step's loss, lr and grad norm bitwise equal to the
   uninterrupted run's; resuming on another layout is refused in one line.
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -97,19 +99,45 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# A NaN loss on rank 1 only, at step 2 (0-based 1), in 4-step runs at world size 2.
+NAN_FAULT, NAN_STEPS = "nan_loss@1:1", 4
+
+
 def _train(rank: int, world_size: int, root: str, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return trainkit.train_all(rank, world_size, root, {n: {**COMMON, **f} for n, f in scenarios.items()})
+    out = trainkit.train_all(rank, world_size, root, {n: {**COMMON, **f} for n, f in scenarios.items()})
+    return {name: run["losses"] for name, run in out.items()}
 
 
-def _launch(root: Path, world_size: int, scenarios: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+def _nan_skips(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Each axis at world size 2 with rank 1's loss poisoned once: rank 0 returns the logged records."""
+    from llmtrain.train.metrics import METRICS_FILE, read_metrics
+
+    out = {}
+    for axis in ("sp", "tp"):
+        run_dir = str(Path(root) / f"nan_{axis}")
+        flags = {**COMMON, f"parallel.{axis}": 2, "zero.stage": 1, "train.steps": NAN_STEPS}
+        trainkit.build(rank, world_size, run_dir, flags, faults=NAN_FAULT).train()
+        out[axis] = (
+            [r for r in read_metrics(Path(run_dir) / METRICS_FILE) if "loss" in r] if rank == 0 else None
+        )
+    return out
+
+
+def _train_and_skip(
+    rank: int, world_size: int, root: str, scenarios: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    return {**_train(rank, world_size, root, scenarios), "nan_skips": _nan_skips(rank, world_size, root)}
+
+
+def _launch(root: Path, world_size: int, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
     docs = str(root / "short_docs.jsonl")
     scenarios = {n: {**f, "data.source": docs} if "docs" in n else f for n, f in scenarios.items()}
-    results = run_distributed(_train, world_size, str(root / f"ws{world_size}"), scenarios, timeout=900)
-    return {name: run["losses"] for name, run in results[0].items()}
+    fn = _train_and_skip if world_size == 2 else _train
+    return run_distributed(fn, world_size, str(root / f"ws{world_size}"), scenarios, timeout=900)[0]
 
 
 @pytest.fixture(scope="module")
-def trajectories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+def trajectories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("parallel")
     _short_documents(root / "short_docs.jsonl")
     out = _launch(root, 1, REFERENCES)
@@ -137,6 +165,19 @@ def test_parallel_run_follows_the_one_process_trajectory(
     assert len(reference) == len(got) == STEPS
     assert reference[-1] < reference[0]  # it trains at all
     assert _rel_diff(got, reference) < REL_TOL, (name, got, reference)
+
+
+@pytest.mark.parametrize("axis", ["tp", "sp"])
+def test_a_nan_loss_on_one_rank_skips_the_update_on_every_rank(
+    trajectories: dict[str, Any], axis: str
+) -> None:
+    """The stability guard's agreement holds across tp and sp groups: rank 1's NaN (under sp, its share
+    of the loss) reaches every rank, all skip step 2 together, and training goes on finite."""
+    records = trajectories["nan_skips"][axis]
+    assert [r["step"] for r in records] == list(range(1, NAN_STEPS + 1))
+    assert records[1]["loss"] is None and records[1]["skipped"] == 1  # metrics.jsonl writes NaN as null
+    assert all(r["loss"] is not None and math.isfinite(r["loss"]) for i, r in enumerate(records) if i != 1)
+    assert records[-1]["skipped"] == 1
 
 
 def test_the_references_differ_where_the_data_does(trajectories: dict[str, list[float]]) -> None:
