@@ -182,7 +182,10 @@ class BareLoopRunner:
         self.model = build_model(cfg.model, device=self.device, seed=cfg.train.seed)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
+            param_groups(self.model.named_parameters(), o.weight_decay),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
         )
         self.grad_clip = o.grad_clip
 

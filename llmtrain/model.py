@@ -11,6 +11,8 @@ This file imports no optimizer, data or DeepSpeed code: the trainer wraps the mo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -265,7 +267,7 @@ class Llama(nn.Module):
                 )
             return self.lm_head(h)  # [B, T, V]
         if self.sp_group is None:
-            return self.summed_loss(h, labels) / _label_count(labels)
+            return self.summed_loss(h, labels) / label_count(labels)
         return self._sequence_parallel_loss(h, labels)
 
     def hidden_states(
@@ -295,25 +297,9 @@ class Llama(nn.Module):
         return self.norm(x)
 
     def summed_loss(self, h: Tensor, labels: Tensor) -> Tensor:
-        """Summed cross-entropy of lm_head(h) against labels, a chunk of rows at a time.
-
-        The full fp32 logits tensor [B*T, V] is never materialised: each chunk's logits are computed,
-        upcast to fp32 and reduced to a summed loss inside torch.utils.checkpoint, so autograd keeps only
-        the chunk's hidden states and recomputes its logits in backward. Peak logits memory is
-        loss_chunk_rows x V instead of B x T x V (a 128k vocabulary at 8 x 4096 tokens would be 16 GiB).
-        """
-        rows = h.reshape(-1, h.shape[-1])  # [N, D]
-        targets = labels.reshape(-1)  # [N]
-        total = rows.new_zeros((), dtype=torch.float32)
-        for start in range(0, rows.shape[0], self.loss_chunk_rows):
-            chunk = slice(start, start + self.loss_chunk_rows)
-            if torch.is_grad_enabled():
-                total = total + checkpoint(
-                    self._summed_loss, rows[chunk], targets[chunk], use_reentrant=False
-                )
-            else:
-                total = total + self._summed_loss(rows[chunk], targets[chunk])
-        return total
+        """Summed cross-entropy of lm_head(h) against labels (chunked_summed_loss through the module, so
+        ZeRO-3 gathers its weight)."""
+        return chunked_summed_loss(h, labels, self.lm_head, self.loss_chunk_rows)
 
     # ------------------------------------------------------------ sequence parallelism
 
@@ -339,14 +325,10 @@ class Llama(nn.Module):
         add up to the mean, and DeepSpeed sums their gradients (it averages over dp ranks only)."""
         import torch.distributed as dist
 
-        share = self.summed_loss(h, self._local_slice(labels)) / _label_count(labels)
+        share = self.summed_loss(h, self._local_slice(labels)) / label_count(labels)
         whole = share.detach().clone()
         dist.all_reduce(whole, group=self.sp_group)
         return _ValueWithGradientOf.apply(share, whole)
-
-    def _summed_loss(self, rows: Tensor, targets: Tensor) -> Tensor:  # [n, D], [n] -> fp32 scalar
-        logits = self.lm_head(rows).float()  # [n, V]
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
     # ------------------------------------------------------------ initialisation
 
@@ -370,15 +352,8 @@ class Llama(nn.Module):
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
-        std = self.cfg.initializer_range
-        residual_std = std / math.sqrt(2 * self.cfg.num_hidden_layers)
         for name, param in self.named_parameters():  # a tied weight is listed (and drawn) once
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                param.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, mean=0.0, std=residual_std, generator=generator)
-            else:
-                nn.init.normal_(param, mean=0.0, std=std, generator=generator)
+            init_parameter(name, param, self.cfg, generator)
 
     # ------------------------------------------------------------ memory and speed switches
 
@@ -398,7 +373,35 @@ class Llama(nn.Module):
             block.compile(**compile_kwargs)
 
 
-def _label_count(labels: Tensor) -> Tensor:
+def chunked_summed_loss(
+    h: Tensor, labels: Tensor, project: Callable[[Tensor], Tensor], chunk_rows: int = LOSS_CHUNK_ROWS
+) -> Tensor:
+    """Summed cross-entropy of project(h) (the output layer) against labels, a chunk of rows at a time.
+
+    The full fp32 logits tensor [B*T, V] is never materialised: each chunk's logits are computed,
+    upcast to fp32 and reduced to a summed loss inside torch.utils.checkpoint, so autograd keeps only
+    the chunk's hidden states and recomputes its logits in backward. Peak logits memory is
+    chunk_rows x V instead of B x T x V (a 128k vocabulary at 8 x 4096 tokens would be 16 GiB).
+    """
+    rows = h.reshape(-1, h.shape[-1])  # [N, D]
+    targets = labels.reshape(-1)  # [N]
+    chunk_loss = partial(_chunk_loss, project)
+    total = rows.new_zeros((), dtype=torch.float32)
+    for start in range(0, rows.shape[0], chunk_rows):
+        chunk = slice(start, start + chunk_rows)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(chunk_loss, rows[chunk], targets[chunk], use_reentrant=False)
+        else:
+            total = total + chunk_loss(rows[chunk], targets[chunk])
+    return total
+
+
+def _chunk_loss(project: Callable[[Tensor], Tensor], rows: Tensor, targets: Tensor) -> Tensor:
+    logits = project(rows).float()  # [n, D] -> [n, V] fp32
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def label_count(labels: Tensor) -> Tensor:
     # A batch whose labels are all ignored has loss 0 (and zero gradients) rather than NaN.
     return (labels != IGNORE_INDEX).sum().clamp(min=1)
 
@@ -440,6 +443,18 @@ def _ignore_tied_lm_head(
 
 
 # ---------------------------------------------------------------- building
+
+
+@torch.no_grad()
+def init_parameter(name: str, param: Tensor, cfg: ModelConfig, generator: torch.Generator | None) -> None:
+    """Initialise the parameter named `name` (model.py's names) as Llama.init_weights does."""
+    if name.endswith("layernorm.weight") or name == "norm.weight":
+        param.fill_(1.0)
+        return
+    std = cfg.initializer_range
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= math.sqrt(2 * cfg.num_hidden_layers)
+    nn.init.normal_(param, mean=0.0, std=std, generator=generator)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int | None = None) -> Llama:

@@ -5,14 +5,14 @@ step-time quirk of DeepSpeed's stage-0 fp32 path (a bare torch optimizer) that t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from llmtrain.config import TrainConfig
-from llmtrain.model import Llama, build_model
+from llmtrain.model import build_model
 from llmtrain.parallel.layout import process_groups
 
 
@@ -28,24 +28,42 @@ def build_engine(
     import deepspeed
 
     mpu = process_groups(cfg.layout(world_size))
+    if cfg.parallel.pp > 1:
+        return _build_pipeline_engine(cfg, ds_config, device)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     if cfg.parallel.sp > 1:
         model.set_sequence_parallel(mpu.get_sequence_parallel_group())
     if cfg.train.compile:
         model.compile_blocks()
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.optim.weight_decay), config=ds_config, mpu=mpu
-    )
+    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
     return engine
 
 
-def param_groups(model: Llama, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on weight matrices only: not on norms, not on the (possibly tied) embedding."""
+def _build_pipeline_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device) -> Any:
+    """This rank's pipeline stage in DeepSpeed's PipelineEngine (the module brings its own process
+    groups), running the configured schedule."""
+    import deepspeed
+
+    from llmtrain.engine import pipeline
+
+    pipe = pipeline.build_pipeline(cfg, device)
+    groups = param_groups(pipeline.named_parameters(pipe), cfg.optim.weight_decay)
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
+    pipeline.install_schedule(engine, cfg.parallel.pp_schedule)
+    return engine
+
+
+def param_groups(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
+    """Weight decay on weight matrices only (model.py's names): not on norms, not on the (possibly tied)
+    embedding."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     seen: set[int] = set()
-    for name, param in model.named_parameters():
+    for name, param in named_parameters:
         if id(param) in seen:
             continue
         seen.add(id(param))
