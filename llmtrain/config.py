@@ -34,6 +34,8 @@ def _f(default: Any, help: str) -> Any:
 Precision = Literal["bf16", "fp16", "fp32"]
 Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "full", "selective"]
+PipeSchedule = Literal["1f1b", "gpipe"]
+PipePartition = Literal["parameters", "blocks"]
 
 
 @dataclass
@@ -123,11 +125,20 @@ class ZeroConfig:
 
 @dataclass
 class ParallelConfig:
-    """The model-parallel degrees; data parallelism takes the rest of the world (dp = world / (tp * sp))."""
+    """The model-parallel degrees; data parallelism takes the rest of the world
+    (dp = world / (tp * sp * pp))."""
 
     tp: int = _f(1, "tensor-parallel degree: attention heads and MLP columns split over this many ranks")
     sp: int = _f(
         1, "sequence-parallel degree (Ulysses): each rank holds seq_len / sp tokens of every sequence"
+    )
+    pp: int = _f(1, "pipeline-parallel degree: consecutive blocks in this many stages, one per rank")
+    pp_schedule: PipeSchedule = _f(
+        "1f1b",
+        "pipeline schedule: 1f1b (one forward, one backward) or gpipe (all forwards, then all backwards)",
+    )
+    pp_partition: PipePartition = _f(
+        "parameters", "how blocks are split into stages: balanced by parameters, or the same number of blocks"
     )
 
 
@@ -198,17 +209,19 @@ class TrainConfig:
 
     def layout(self, world_size: int | None = None) -> Layout:
         """The run's layout over `world_size` processes (default: the ones it launches)."""
-        return Layout(world_size or self.world_size, self.parallel.tp, self.parallel.sp)
+        p = self.parallel
+        return Layout(world_size or self.world_size, p.tp, p.sp, p.pp)
 
     def choice(self, accelerator: str | None = None) -> rules.Choice:
         """This config's point of the layout space, for rules.check."""
         z, p = self.zero, self.parallel
-        return rules.Choice(z.stage, z.offload, self.train.precision, accelerator, p.tp, p.sp)
+        return rules.Choice(z.stage, z.offload, self.train.precision, accelerator, p.tp, p.sp, p.pp)
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see distinct samples: tp and sp ranks of one group share theirs."""
-        return max(1, self.world_size // (self.parallel.tp * self.parallel.sp))
+        """Ranks that see distinct samples: tp and sp ranks of one group share theirs, and one
+        pipeline's stages pass the same samples along."""
+        return max(1, self.layout().dp)
 
     @property
     def global_batch(self) -> int:
@@ -585,6 +598,7 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
         kv_heads=m.num_key_value_heads,
         mlp_width=m.intermediate_size,
         seq_len=cfg.train.seq_len,
+        layers=m.num_hidden_layers,
     )
 
 

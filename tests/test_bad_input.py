@@ -111,7 +111,7 @@ CASES: dict[str, Case] = {
     ),
     # ---- train: layouts DeepSpeed cannot run, refused before any process starts
     "tp-not-dividing-world": Case(
-        f"{T} --gpus 2 --tp 3", "--tp: tp 3 x sp 1 = 3 does not divide the world size 2", RUN
+        f"{T} --gpus 2 --tp 3", "--tp: tp 3 x sp 1 x pp 1 = 3 does not divide the world size 2", RUN
     ),
     "tp-kv-heads": Case(
         f"{T} --gpus 2 --tp 2 --set model.num_key_value_heads=1",
@@ -126,6 +126,16 @@ CASES: dict[str, Case] = {
     "sp-bf16-zero1": Case(
         f"{T} --gpus 2 --sp 2 --zero 1 --precision bf16", "--zero: ZeRO 1 in bf16 with --sp fails", RUN
     ),
+    "pp-zero3": Case(f"{T} --gpus 2 --pp 2 --zero 3", "--zero: ZeRO 3 with --pp", RUN),
+    "pp-zero0": Case(f"{T} --gpus 2 --pp 2 --zero 0", "--zero: ZeRO 0 with --pp", RUN),
+    "pp-with-tp": Case(f"{T} --gpus 4 --pp 2 --tp 2", "--pp: --pp 2 with --tp/--sp", RUN),
+    "pp-more-stages-than-blocks": Case(
+        f"{T} --gpus 4 --pp 4", "--pp: 4 stages for 2 transformer blocks; use at most 2 stages", RUN
+    ),
+    "pp-not-dividing-world": Case(
+        f"{T} --gpus 3 --pp 2", "--pp: tp 1 x sp 1 x pp 2 = 2 does not divide the world size 3", RUN
+    ),
+    "pp-schedule": Case(f"{T} --gpus 2 --pp 2 --pp-schedule zigzag", "--pp-schedule", RUN),
     "heads-do-not-divide": Case(
         f"{T} --set model.num_attention_heads=3", "3 heads do not divide hidden_size", RUN
     ),

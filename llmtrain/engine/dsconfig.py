@@ -133,7 +133,9 @@ def _zero(cfg: TrainConfig) -> dict[str, Any]:
     sizes = bucket_sizes(cfg.model)
     out: dict[str, Any] = {
         "stage": z.stage,
-        "overlap_comm": z.overlap_comm,
+        # The pipeline engine reduces gradients itself at the end of its schedule (and turns overlap
+        # off with a warning): the JSON says what runs.
+        "overlap_comm": z.overlap_comm and cfg.parallel.pp == 1,
         "contiguous_gradients": True,
         "reduce_scatter": True,
         "reduce_bucket_size": z.reduce_bucket_size or sizes["reduce_bucket_size"],

@@ -1,9 +1,11 @@
-"""world = dp x sp x tp: which rank holds which part of the model and which samples.
+"""world = pp x dp x sp x tp: which rank holds which part of the model and which samples.
 
-Rank r = (d * sp + s) * tp + t for data-parallel index d, sequence-parallel index s and tensor-parallel
-index t: tensor parallelism innermost, as Megatron and DeepSpeed place it (its all-reduces run in every
-layer, so its ranks should be the closest ones: one node, NVLink). Only one of tp and sp is above 1
-(rules.RULES), so a rank's model-parallel group is `model_parallel` consecutive ranks.
+Rank r = ((p * dp + d) * sp + s) * tp + t for pipeline stage p, data-parallel index d, sequence-parallel
+index s and tensor-parallel index t: tensor parallelism innermost, as Megatron and DeepSpeed place it
+(its all-reduces run in every layer, so its ranks should be the closest ones: one node, NVLink), and
+pipeline stages outermost, as DeepSpeed's pipeline topology numbers them (a stage boundary carries one
+activation per micro-batch, the cheapest traffic to put across nodes). At most one of tp, sp and pp is
+above 1 (rules.RULES), so a rank's tp or sp group is `tp * sp` consecutive ranks.
 
 - Data: the ranks of one model-parallel group read the same samples. The loader's rank is d and its
   world dp; tp ranks compute on identical inputs (DeepSpeed checks it on the first batch), sp ranks
@@ -13,6 +15,8 @@ layer, so its ranks should be the closest ones: one node, NVLink). Only one of t
   DeepSpeed's Ulysses groups (`parallel_state_sp`): ZeRO then shards and reduces over the dp x sp
   ranks and divides by dp only, so the sp ranks' partial gradients add up. Without an mpu, DeepSpeed
   skips the gradient synchronisation of sp ranks and counts tp ranks as data-parallel ones.
+- Pipeline: the first and last stages of each pipeline read the samples of data rank d (the first
+  the inputs, the last the labels); DeepSpeed's PipelineModule builds the (pipe, data) grid itself.
 """
 
 from __future__ import annotations
@@ -29,17 +33,23 @@ class Layout:
     world_size: int
     tp: int = 1
     sp: int = 1
+    pp: int = 1
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.sp
+        """Ranks that hold parts of one model replica."""
+        return self.tp * self.sp * self.pp
 
     @property
     def dp(self) -> int:
         return self.world_size // self.model_parallel
 
     def data_rank(self, rank: int) -> int:
-        return rank // self.model_parallel
+        return (rank % (self.dp * self.tp * self.sp)) // (self.tp * self.sp)
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of `rank` (0 without pipeline parallelism)."""
+        return rank // (self.dp * self.tp * self.sp)
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
@@ -49,11 +59,16 @@ class Layout:
 
     def describe(self) -> str:
         """`dp 2 x tp 2`: the degrees above 1 (dp always)."""
-        parts = [f"dp {self.dp}"] + [f"{n} {d}" for n, d in (("tp", self.tp), ("sp", self.sp)) if d > 1]
+        axes = (("pp", self.pp), ("tp", self.tp), ("sp", self.sp))
+        parts = [f"dp {self.dp}"] + [f"{n} {d}" for n, d in axes if d > 1]
         return " x ".join(parts)
 
     def groups(self) -> str:
-        """The model-parallel groups by rank, as DeepSpeed is given them: `tp groups [0, 1] [2, 3]`."""
+        """The model-parallel groups by rank, as DeepSpeed is given them: `tp groups [0, 1] [2, 3]`,
+        or a pipeline's stages: `pp groups [0, 2] [1, 3]`."""
+        if self.pp > 1:
+            pipes = [list(range(d, self.world_size, self.dp)) for d in range(self.dp)]
+            return "pp groups " + " ".join(str(r) for r in pipes)
         axis = "tp" if self.tp > 1 else "sp"
         size = self.model_parallel
         ranks = [list(range(start, start + size)) for start in range(0, self.world_size, size)]
@@ -65,16 +80,25 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"{flag_for(key)}: {message}")
 
 
-def check_shape(layout: Layout, *, heads: int, kv_heads: int, mlp_width: int, seq_len: int) -> None:
+def check_shape(
+    layout: Layout, *, heads: int, kv_heads: int, mlp_width: int, seq_len: int, layers: int
+) -> None:
     """What DeepSpeed cannot split of this model and sequence length: a one-line error naming the flag,
     before any process starts (config.check_layout passes the config's numbers)."""
-    for key, degree in (("parallel.tp", layout.tp), ("parallel.sp", layout.sp)):
+    for key, degree in (("parallel.tp", layout.tp), ("parallel.sp", layout.sp), ("parallel.pp", layout.pp)):
         _require(degree >= 1, key, f"must be at least 1, got {degree}")
+    axis = "parallel.pp" if layout.pp > 1 else "parallel.tp" if layout.tp > 1 else "parallel.sp"
     _require(
         layout.world_size % layout.model_parallel == 0,
-        "parallel.tp" if layout.tp > 1 else "parallel.sp",
-        f"tp {layout.tp} x sp {layout.sp} = {layout.model_parallel} does not divide the world size "
-        f"{layout.world_size} (--gpus x --nodes); use a divisor of it",
+        axis,
+        f"tp {layout.tp} x sp {layout.sp} x pp {layout.pp} = {layout.model_parallel} does not divide the "
+        f"world size {layout.world_size} (--gpus x --nodes); use a divisor of it",
+    )
+    # Every stage runs at least one block: the embedding and the output layer ride with the first and last.
+    _require(
+        layout.pp <= layers,
+        "parallel.pp",
+        f"{layout.pp} stages for {layers} transformer blocks; use at most {layers} stages",
     )
     for key, degree, what in (("parallel.tp", layout.tp, "tp"), ("parallel.sp", layout.sp, "sp")):
         if degree == 1:
@@ -136,13 +160,14 @@ def _check_same_size(built: int, wanted: int, axis: str) -> None:
 
 
 def check_resume(layout: Layout, saved_world_size: int) -> None:
-    """A tp or sp checkpoint holds per-rank model slices and ZeRO shards of its own layout; DeepSpeed's
-    universal conversion re-partitions data-parallel shards only, so such a run resumes as it was saved."""
+    """A tp, sp or pp checkpoint holds per-rank model slices (or stages) and ZeRO shards of its own
+    layout; DeepSpeed's universal conversion re-partitions data-parallel shards only, so such a run
+    resumes as it was saved. (The degrees themselves are part of the run's config, which a resume keeps.)"""
     if layout.model_parallel == 1 or saved_world_size == layout.world_size:
         return
-    saved = Layout(saved_world_size, layout.tp, layout.sp)
+    saved = Layout(saved_world_size, layout.tp, layout.sp, layout.pp)
     raise ConfigError(
         f"{flag_for('launch.gpus')}: this run was saved on {saved_world_size} processes ({saved.describe()}); "
-        f"a tensor- or sequence-parallel checkpoint resumes on the same layout: launch {saved_world_size} "
-        "processes (--gpus x --nodes)"
+        f"a tensor-, sequence- or pipeline-parallel checkpoint resumes on the same layout: launch "
+        f"{saved_world_size} processes (--gpus x --nodes)"
     )

@@ -32,6 +32,7 @@ class Choice:
     accelerator: str | None = None
     tp: int = 1
     sp: int = 1
+    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,27 @@ RULES: tuple[Rule, ...] = (
         "ZeRO 0 with --tp/--sp: the update needs ZeRO's model-parallel-aware gradient norm and overflow "
         "check; use --zero 1 (it shards only optimizer states)",
     ),
+    Rule(
+        "parallel.pp",
+        lambda c: c.pp > 1 and (c.tp > 1 or c.sp > 1),
+        "--pp {pp} with --tp/--sp: DeepSpeed's pipeline engine builds its process groups from its own "
+        "topology, which AutoTP's and Ulysses' groups cannot join; use pipeline stages with data parallelism",
+    ),
+    Rule(
+        "zero.stage",
+        # PipelineEngine asserts stage < 2: ZeRO 2 and 3 shard gradients, which the pipeline schedule
+        # accumulates over its micro-batches itself.
+        lambda c: c.pp > 1 and c.stage >= 2,
+        "ZeRO {stage} with --pp: DeepSpeed's pipeline engine runs ZeRO 0 and 1 only; use --zero 1",
+    ),
+    Rule(
+        "zero.stage",
+        # Stage 0 steps a bare optimizer without an overflow check (no skipped update for a bad step),
+        # and DeepSpeed 0.19.8 saves a bf16 stage-0 pipeline checkpoint that it then cannot load.
+        lambda c: c.pp > 1 and c.stage == 0,
+        "ZeRO 0 with --pp: the pipeline's stage-0 update has no overflow check and its bf16 checkpoints "
+        "do not load in DeepSpeed 0.19; use --zero 1 (it shards only optimizer states)",
+    ),
 )
 
 
@@ -94,11 +116,11 @@ def check(choice: Choice) -> None:
 
 
 def combinations(
-    precision: str, accelerator: str | None = None, tp: int = 1, sp: int = 1
+    precision: str, accelerator: str | None = None, tp: int = 1, sp: int = 1, pp: int = 1
 ) -> Iterator[Choice]:
-    """Every (stage, offload) that composes with `precision` and the tp/sp degrees on `accelerator`."""
+    """Every (stage, offload) that composes with `precision` and the tp/sp/pp degrees on `accelerator`."""
     for stage, offload in itertools.product(ZERO_STAGES, OFFLOADS):
-        choice = Choice(stage, offload, precision, accelerator, tp, sp)
+        choice = Choice(stage, offload, precision, accelerator, tp, sp, pp)
         if refusal(choice) is None:
             yield choice
 
@@ -111,7 +133,8 @@ def offload_rank(offload: str) -> int:
 def batch_triple(micro_batch: int, global_batch: int | None, data_parallel: int) -> tuple[int, int, int]:
     """(global batch, micro-batch per rank, gradient accumulation steps); the global batch defaults to one
     micro-batch per data-parallel rank and must be a whole number of them (tp and sp ranks of one group
-    share their samples, so they do not multiply the batch)."""
+    share their samples, so they do not multiply the batch; under pipeline parallelism the accumulation
+    steps are the micro-batches one pipeline runs per step)."""
     per_step = micro_batch * data_parallel
     total = global_batch or per_step
     if total % per_step:

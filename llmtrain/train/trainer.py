@@ -24,7 +24,7 @@ from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
 from llmtrain.data.shards import PreparedData
-from llmtrain.engine import ds_engine, dsconfig
+from llmtrain.engine import ds_engine, dsconfig, pipeline
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
@@ -44,6 +44,17 @@ class StepResult:
     verdict: Verdict
     save_due: bool
     stop_requested: bool
+
+
+@dataclass
+class Agreement:
+    """What every rank agreed on before the update: the global mean loss, the guard's verdict on it,
+    and whether any rank wants to save or stop."""
+
+    loss: float
+    verdict: Verdict
+    save_due: bool
+    stop: bool
 
 
 class SaveFailed(RunFailure):
@@ -125,8 +136,10 @@ class Trainer:
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
         self.hooks = Hooks(faults.hooks_from_env(world.rank))  # fault injection when LLMTRAIN_FAULTS is set
         self.ckpt_root = rundir.checkpoint_root(run_dir)
-        # The ranks of one tp or sp group read the same samples: the loader sees data-parallel ranks.
+        # The ranks of one tp or sp group, and the stages of one pipeline, read the same samples: the
+        # loader sees data-parallel ranks.
         self.layout = cfg.layout(world.world_size)
+        self.pipelined = self.layout.pp > 1
         self.loader = TrainLoader(
             prepared,
             cfg.train.seq_len,
@@ -209,6 +222,20 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         lr = schedule.lr_for(self.cfg, self.counters.step)
         self._set_lr(lr)
+        if self.pipelined:
+            agreed, grad_norm = self._pipeline_step(micro_batches)
+        else:
+            agreed, grad_norm = self._accumulation_step(micro_batches)
+        verdict = agreed.verdict
+        if not verdict.skip:
+            verdict = self._judge_after_update(agreed.loss, grad_norm)
+        self.hooks.after_step(self.counters.step)
+        return StepResult(agreed.loss, grad_norm, lr, verdict, agreed.save_due, agreed.stop)
+
+    def _accumulation_step(
+        self, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> tuple[Agreement, float | None]:
+        """Forward and backward each micro-batch; the agreement comes before the last backward."""
         *head, last = micro_batches
         losses = []
         for batch in head:
@@ -218,20 +245,28 @@ class Trainer:
             self.engine.step()
         loss = self._forward(last)
         losses.append(loss.detach())
-        distributed.note_progress(self.world.rank, self.counters.step + 1)  # names a stuck rank later
-        mean_loss, save_due, stop = self._agree(losses)
-        verdict = self.guard.judge(mean_loss, None)
+        agreed = self._agreement(torch.stack(losses).double().sum(), len(losses))
         # A NaN gradient makes DeepSpeed's overflow path drop this update on every rank.
-        self.engine.backward(loss * float("nan") if verdict.skip else loss)
+        self.engine.backward(loss * float("nan") if agreed.verdict.skip else loss)
         plain_norm = self._plain_grad_norm()
         bad_plain_grads = plain_norm is not None and not math.isfinite(plain_norm)
         with ds_engine.update_suppressed(self.engine.optimizer, bad_plain_grads):
             self.engine.step()
-        grad_norm = plain_norm if self._plain_optimizer() else self._engine_grad_norm()
-        if not verdict.skip:
-            verdict = self._judge_after_update(mean_loss, grad_norm)
-        self.hooks.after_step(self.counters.step)
-        return StepResult(mean_loss, grad_norm, lr, verdict, save_due, stop)
+        return agreed, plain_norm if self._plain_optimizer() else self._engine_grad_norm()
+
+    def _pipeline_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[Agreement, float | None]:
+        """The pipeline engine runs the whole step (its schedule); the agreement happens inside it,
+        after the last forward and backward and before any gradient is reduced (pipeline.agree_on_update).
+        The loss exists on the last stage only, so the fault hook sees each rank's share of it."""
+        agreed: list[Agreement] = []
+
+        def before_update(loss_sum: torch.Tensor, count: int) -> bool:
+            agreed.append(self._agreement(self.hooks.on_forward(loss_sum, self.counters.step), count))
+            return agreed[0].verdict.skip
+
+        self.engine.before_update = before_update
+        self.engine.train_batch(pipeline.feed(micro_batches))
+        return agreed[0], self._engine_grad_norm()
 
     # ------------------------------------------------------------ step helpers
 
@@ -243,7 +278,13 @@ class Trainer:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
 
-    def _agree(self, losses: list[torch.Tensor]) -> tuple[float, bool, bool]:
+    def _agreement(self, loss_sum: torch.Tensor, count: int) -> Agreement:
+        """The step's agreed loss, flags and the guard's verdict on the loss (before the update)."""
+        distributed.note_progress(self.world.rank, self.counters.step + 1)  # names a stuck rank later
+        mean_loss, save_due, stop = self._agree(loss_sum, count)
+        return Agreement(mean_loss, self.guard.judge(mean_loss, None), save_due, stop)
+
+    def _agree(self, loss_sum: torch.Tensor, count: int) -> tuple[float, bool, bool]:
         """One all-reduce and one host read: the global mean loss, and whether any rank wants to save or stop.
 
         The guard must see the global loss before the last micro-batch's backward (to skip an update), so
@@ -253,11 +294,10 @@ class Trainer:
         """
         minutes = self.cfg.checkpoint.save_every_minutes
         time_due = minutes is not None and time.monotonic() - self.last_save_time >= minutes * 60
-        flags = (float(len(losses)), float(time_due), float(self.signal.requested))
-        device = losses[0].device
+        flags = (float(count), float(time_due), float(self.signal.requested))
+        device = loss_sum.device
         vector = torch.stack(
-            [torch.stack(losses).double().sum()]
-            + [torch.full((), flag, dtype=torch.float64, device=device) for flag in flags]
+            [loss_sum.double()] + [torch.full((), flag, dtype=torch.float64, device=device) for flag in flags]
         )
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(vector, op=torch.distributed.ReduceOp.SUM)
@@ -322,6 +362,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.pipelined:
+            return pipeline.evaluate(self.engine, self.val)
         self.engine.eval()
         total = 0.0
         for batch in self.val:
