@@ -159,6 +159,7 @@ def config_cmd(
         return
     from llmtrain.engine import dsconfig
     from llmtrain.parallel.distributed import select_accelerator
+    from llmtrain.parallel.stages import bubble_fraction
 
     cfg = resolve_config(cfg_args)
     if resolved:
@@ -172,6 +173,13 @@ def config_cmd(
     layout = cfg.layout(world)
     if layout.model_parallel > 1:  # on stderr: stdout stays the JSON alone
         typer.echo(f"layout: {layout.describe()} over {world} processes; {layout.groups()}", err=True)
+    if layout.pp > 1:
+        m = ds["gradient_accumulation_steps"]
+        typer.echo(
+            f"pipeline: {m} micro-batch(es) per step through {layout.pp} stages ({cfg.parallel.pp_schedule}), "
+            f"bubble {bubble_fraction(layout.pp, m):.0%} of each step (more micro-batches: raise --global-batch)",
+            err=True,
+        )
 
 
 def _print_keys() -> None:
@@ -217,8 +225,12 @@ def _shape_option(flag: str, help_text: str) -> Any:
     "--nvme-path",
     "--tp",
     "--sp",
+    "--pp",
+    "--pp-schedule",
+    "--pp-partition",
     "--precision",
     "--micro-batch",
+    "--global-batch",
     "--seq-len",
     "--activation-checkpointing",
     "--gpus",

@@ -143,12 +143,12 @@ def test_fit_search_proposes_only_layouts_train_accepts_within_a_node() -> None:
     assert {(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)} <= layouts  # never 8: tp/sp do not cross nodes
     for c in found:
         assert 4 % (c.tp * c.sp) == 0
-        rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", c.tp, c.sp))
-        lay = layout.Layout(8, c.tp, c.sp)
+        rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", c.tp, c.sp, c.pp))
+        lay = layout.Layout(8, c.tp, c.sp, c.pp)
         check_layout(setup.cfg, lay)
         assert c.layout == lay.describe()
         est = memory.estimate(
-            setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp)
+            setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp, c.pp)
         )
         assert est.gpu_peak == c.gpu_bytes <= 24 * 10**9
     # Fastest first: without offload, data parallelism alone, then sp, then tp.
@@ -225,7 +225,7 @@ def test_fitting_configurations_fit_and_come_fastest_first() -> None:
     assert all(c.gpu_bytes <= 24 * 10**9 for c in found)
     for c in found:  # each listed memory is the estimate of that exact configuration
         est = memory.estimate(
-            setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp)
+            setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp, c.pp)
         )
         assert est.gpu_peak == c.gpu_bytes
     assert not any(c.stage == 0 for c in found), "unpartitioned 7B states (112 GB) cannot fit 24 GB"

@@ -1,4 +1,4 @@
-"""Which layouts fit: every (tp, sp, stage, offload, checkpointing) that composes, with its largest
+"""Which layouts fit: every (tp, sp, pp, stage, offload, checkpointing) that composes, with its largest
 micro-batch.
 
 The combinations come from llmtrain.parallel.rules, the one table of what composes, and the degrees from
@@ -32,6 +32,8 @@ class Candidate:
     tp: int
     sp: int
     layout: str  # Layout.describe(): "dp 4 x tp 2"
+    pp: int = 1
+    bubble: float = 0.0  # the pipeline's idle share of each step at the setup's global batch
 
 
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
@@ -41,47 +43,56 @@ def _model_parallel_rank(c: Candidate) -> tuple[int, int]:
     """None, then sp, then tp, each lower degree first. Both communicate inside every layer, on the
     critical path of forward and backward (ZeRO's collectives overlap with compute). Ulysses' all-to-alls
     carry 1/sp of a layer's activations per rank and leave the matmuls whole; tp's two all-reduces per
-    layer and pass carry whole activations whatever tp is, and make each rank's matmuls tp times thinner."""
+    layer and pass carry whole activations whatever tp is, and make each rank's matmuls tp times thinner.
+    A pipeline ranks as none here: its stages exchange one activation per micro-batch, not per layer."""
     kind = 0 if c.tp == c.sp == 1 else 1 if c.tp == 1 else 2
     return kind, c.tp * c.sp
 
 
-def speed_key(c: Candidate) -> tuple[int, int, int, int, int, int]:
+def speed_key(c: Candidate) -> tuple[int, int, int, int, float, int, int]:
     """Fastest first: less offload (PCIe/NVMe traffic every step dominates), then less model parallelism
     (see _model_parallel_rank: per-layer communication that does not overlap costs more than the ~1/3
     extra forward of full recomputation on a model that would fit without it), then less recomputation,
-    then a lower stage (fewer collectives), then a larger micro-batch (better GPU utilisation)."""
+    then no pipeline before a pipeline, smaller bubble first (its stages idle (pp - 1) / (m + pp - 1) of
+    every step, more than any ZeRO stage's collectives cost), then a lower stage (fewer collectives),
+    then a larger micro-batch (better GPU utilisation)."""
     return (
         rules.offload_rank(c.offload),
         *_model_parallel_rank(c),
         _RECOMPUTE_RANK[c.checkpointing],
+        c.bubble,
         c.stage,
         -c.micro_batch,
     )
 
 
-def degrees(setup: Setup) -> list[tuple[int, int]]:
-    """(tp, sp) pairs to search: degrees whose product divides the GPUs of one node (tp and sp talk in
-    every layer, so their ranks stay on a node's links), that config.check_layout accepts for the model and
-    sequence length. A bare --params has no shape to split: only its own layout."""
+def degrees(setup: Setup) -> list[tuple[int, int, int]]:
+    """(tp, sp, pp) degrees to search: tp and sp whose product divides the GPUs of one node (they talk in
+    every layer, so their ranks stay on a node's links), and pipelines of every divisor of the world
+    size (a stage boundary carries little, so stages may span nodes) with data parallelism alone
+    (rules refuse pp with tp or sp), all that config.check_layout accepts for the model and sequence
+    length (a pipeline has at least one block per stage). A bare --params has no shape to split: only
+    its own layout."""
     if not setup.shape_known:
-        return [(setup.layout.tp, setup.layout.sp)]
-    gpus = setup.cfg.launch.gpus
-    divisors = [n for n in range(1, gpus + 1) if gpus % n == 0]
-    found = []
-    for tp, sp in itertools.product(divisors, divisors):
-        try:
-            check_layout(setup.cfg, Layout(setup.world_size, tp, sp))
-        except ConfigError:
-            continue
-        if gpus % (tp * sp) == 0:
-            found.append((tp, sp))
-    return found
+        return [(setup.layout.tp, setup.layout.sp, setup.layout.pp)]
+    gpus, world = setup.cfg.launch.gpus, setup.world_size
+    on_node = [n for n in range(1, gpus + 1) if gpus % n == 0]
+    found = [(tp, sp, 1) for tp, sp in itertools.product(on_node, on_node) if gpus % (tp * sp) == 0]
+    found += [(1, 1, pp) for pp in range(2, world + 1) if world % pp == 0]
+    return [d for d in found if _splits(setup, *d)]
+
+
+def _splits(setup: Setup, tp: int, sp: int, pp: int) -> bool:
+    try:
+        check_layout(setup.cfg, Layout(setup.world_size, tp, sp, pp))
+    except ConfigError:
+        return False
+    return True
 
 
 def fitting(setup: Setup, gpu_memory: int, cpu_memory: int | None = None) -> list[Candidate]:
-    """Every (tp, sp, stage, offload, checkpointing) that fits, each with the largest micro-batch up to
-    the one asked for (powers of two), fastest first (see speed_key)."""
+    """Every (tp, sp, pp, stage, offload, checkpointing) that fits, each with the largest micro-batch up
+    to the one asked for (powers of two), fastest first (see speed_key)."""
     batches = sorted(
         {2**i for i in range(setup.cfg.train.micro_batch.bit_length())} | {setup.cfg.train.micro_batch}
     )
@@ -89,13 +100,23 @@ def fitting(setup: Setup, gpu_memory: int, cpu_memory: int | None = None) -> lis
         ("none", "selective", "full") if setup.shape_known else (setup.cfg.train.activation_checkpointing,)
     )
     found: list[Candidate] = []
-    for tp, sp in degrees(setup):
-        for choice in rules.combinations(setup.precision, ACCELERATOR, tp, sp):
+    for tp, sp, pp in degrees(setup):
+        sizes = _pipeline_batches(setup, pp, batches)
+        for choice in rules.combinations(setup.precision, ACCELERATOR, tp, sp, pp):
             for mode in modes:
-                best = _largest_fitting(setup, choice, mode, batches, gpu_memory, cpu_memory)
+                best = _largest_fitting(setup, choice, mode, sizes, gpu_memory, cpu_memory)
                 if best is not None:
                     found.append(best)
     return sorted(found, key=speed_key)
+
+
+def _pipeline_batches(setup: Setup, pp: int, batches: list[int]) -> list[int]:
+    """The micro-batches a pipeline of `pp` stages can run the setup's global batch with: a whole number
+    of them per data-parallel rank (with_choice keeps the global batch for a pipeline)."""
+    if pp == 1:
+        return batches
+    dp = setup.world_size // pp
+    return [micro for micro in batches if setup.cfg.global_batch % (micro * dp) == 0]
 
 
 def _largest_fitting(
@@ -107,7 +128,8 @@ def _largest_fitting(
     cpu_memory: int | None,
 ) -> Candidate | None:
     for micro in reversed(batches):
-        est = estimate(setup.with_choice(choice.stage, choice.offload, micro, mode, choice.tp, choice.sp))
+        layout = (choice.tp, choice.sp, choice.pp)
+        est = estimate(setup.with_choice(choice.stage, choice.offload, micro, mode, *layout))
         if est.gpu_peak <= gpu_memory and (cpu_memory is None or est.cpu_per_node <= cpu_memory):
             lay = est.setup.layout
             return Candidate(
@@ -120,5 +142,7 @@ def _largest_fitting(
                 lay.tp,
                 lay.sp,
                 lay.describe(),
+                lay.pp,
+                est.setup.bubble,
             )
     return None

@@ -15,6 +15,11 @@ saved-tensor hooks in tests/test_memory_calibration.py):
   matrices (the embedding, lm_head and norms stay whole), and ZeRO partitions what a rank holds over the
   data-parallel ranks only. Sequence parallelism (sp, Ulysses) replicates the parameters over sp ranks and
   ZeRO partitions over dp x sp; each rank's activations hold seq_len / sp tokens.
+* Pipeline parallelism (pp, ZeRO 1 only) gives each rank one stage of llmtrain.parallel.stages' partition:
+  the model-state terms are the heaviest stage's (ZeRO 1 shards its optimizer states over the dp ranks of
+  that stage), the activations the peak over stages of one micro-batch's bytes on the stage times the
+  micro-batches it holds at once (memory.pipeline.in_flight), the embedding's on the first stage and the
+  final norm's and the loss's on the last. Taking each term's worst stage bounds every stage's peak.
 
 Import-light on purpose: no torch, no DeepSpeed, no model; estimating a 70B model allocates nothing.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -31,7 +36,15 @@ from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine import dsconfig
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
+from llmtrain.memory.pipeline import (
+    StageSpan,
+    describe_span,
+    heaviest,
+    in_flight,
+    stage_spans,
+)
 from llmtrain.parallel.layout import Layout
+from llmtrain.parallel.stages import bubble_fraction
 from llmtrain.presets import count_parameters
 
 # llmtrain.model.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.
@@ -68,12 +81,14 @@ class Setup:
 
     `ds` is the DeepSpeed config dsconfig writes for it: bucket sizes, swap buffers and the gradient
     accumulation dtype are read from there, never restated. `cfg` must not change once a Setup holds it
-    (with_choice copies it).
+    (with_choice copies it). `pipeline_stage` picks the pipeline stage whose model states to estimate;
+    None is the heaviest one (for_stage gives the others).
     """
 
     cfg: TrainConfig
     params: int
     shape_known: bool = True
+    pipeline_stage: int | None = None
 
     @cached_property
     def ds(self) -> dict[str, Any]:
@@ -91,17 +106,51 @@ class Setup:
     @property
     def zero_group(self) -> int:
         """Ranks ZeRO partitions a rank's parameters over: the data-parallel ones under tp (each tp rank
-        partitions its own slices), dp x sp under sp (sp ranks hold the same parameters)."""
-        return self.world_size // self.layout.tp
+        partitions its own slices) and pp (each stage's dp replicas), dp x sp under sp (sp ranks hold the
+        same parameters)."""
+        return self.world_size // (self.layout.tp * self.layout.pp)
 
     @cached_property
     def rank_params(self) -> int:
         """Parameters one rank holds before ZeRO partitions them: all, less (tp - 1) / tp of the split
-        matrices (counted from the shape, so an explicit --params keeps its replicated remainder)."""
+        matrices, or its pipeline stage's (counted from the shape, so an explicit --params keeps its
+        remainder: replicated under tp, on the estimated stage under pp, the worst place for it)."""
+        m = self.cfg.model
+        if self.layout.pp > 1:
+            return self.params - sum(parameter_tensors(m)) + self.state_span.parameters
         if self.layout.tp == 1:
             return self.params
-        m = self.cfg.model
         return self.params - sum(parameter_tensors(m)) + sum(parameter_tensors(m, self.layout.tp))
+
+    @cached_property
+    def spans(self) -> list[StageSpan]:
+        """The pipeline's stages (one without --pp): blocks, embedding/head and parameters of each."""
+        return stage_spans(self.cfg.model, self.layout.pp, self.cfg.parallel.pp_partition)
+
+    @property
+    def state_span(self) -> StageSpan:
+        """The stage whose model states this Setup estimates: pipeline_stage, else the heaviest."""
+        if self.pipeline_stage is None:
+            return heaviest(self.spans)
+        return self.spans[self.pipeline_stage]
+
+    def for_stage(self, index: int) -> Setup:
+        """This setup with pipeline stage `index`'s model states."""
+        return replace(self, pipeline_stage=index)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank (m): under pp, what one pipeline runs per step."""
+        return int(self.ds["gradient_accumulation_steps"])
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle share of each step; 0 without one."""
+        return bubble_fraction(self.layout.pp, self.accumulation_steps)
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations pipeline stage `stage` holds at once (1 without a pipeline)."""
+        return in_flight(self.cfg.parallel.pp_schedule, self.layout.pp, self.accumulation_steps, stage)
 
     @property
     def stage(self) -> int:
@@ -145,15 +194,19 @@ class Setup:
         return section
 
     def with_choice(
-        self, stage: int, offload: str, micro_batch: int, checkpointing: str, tp: int, sp: int
+        self, stage: int, offload: str, micro_batch: int, checkpointing: str, tp: int, sp: int, pp: int = 1
     ) -> Setup:
+        """This setup under another layout. A pipeline keeps this setup's global batch: its micro-batches
+        per step (m) set both the activations it holds and its bubble, and comparing layouts means
+        training the same batch (the caller checks it divides). Without one, accumulation costs no
+        memory, so the global batch is left to its default."""
         cfg = copy.deepcopy(self.cfg)
         cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]
-        cfg.parallel.tp, cfg.parallel.sp = tp, sp
+        cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.pp = tp, sp, pp
         if offload == "nvme" and not cfg.zero.nvme_path:
             cfg.zero.nvme_path = "/local_nvme"
         cfg.train.micro_batch = micro_batch
-        cfg.train.global_batch = None
+        cfg.train.global_batch = self.cfg.global_batch if pp > 1 else None
         cfg.train.activation_checkpointing = checkpointing  # type: ignore[assignment]
         return Setup(cfg, self.params, self.shape_known)
 
@@ -163,11 +216,16 @@ def setup_from_config(cfg: TrainConfig, params: int | None = None, shape_known: 
     count = params if params is not None else count_parameters(**vars(cfg.model))
     if count <= 0:
         raise ConfigError(f"--params: must be positive, got {count}")
-    if cfg.parallel.tp > 1 and not shape_known:
-        raise ConfigError(
-            f"{flag_for('parallel.tp')}: what tensor parallelism splits depends on the model's shape; "
-            "give --preset, --config or the shape flags (--hidden-size ...) instead of --params alone"
-        )
+    split = (
+        ("parallel.tp", cfg.parallel.tp, "tensor parallelism splits"),
+        ("parallel.pp", cfg.parallel.pp, "each pipeline stage holds"),
+    )
+    for key, degree, what in split:
+        if degree > 1 and not shape_known:
+            raise ConfigError(
+                f"{flag_for(key)}: what {what} depends on the model's shape; "
+                "give --preset, --config or the shape flags (--hidden-size ...) instead of --params alone"
+            )
     return Setup(cfg, int(count), shape_known)
 
 
@@ -336,6 +394,14 @@ def checkpointed_layers(layers: int, mode: str, every_k: int) -> int:
     return 0
 
 
+def checkpointed_in(blocks: range, mode: str, every_k: int) -> int:
+    """How many of the model's blocks `blocks` (a pipeline stage's) are recomputed: the model picks
+    blocks 0, k, 2k, ... by their index in the whole model, so a stage counts those it holds."""
+    if mode == "selective":
+        return sum(1 for i in blocks if i % every_k == 0)
+    return checkpointed_layers(len(blocks), mode, every_k)
+
+
 def layer_activation_bytes(
     model: ModelConfig, batch: int, seq: int, precision: str, doc_mask: bool, tp: int = 1, sp: int = 1
 ) -> int:
@@ -384,23 +450,55 @@ def _layer_bytes(setup: Setup) -> int:
     )
 
 
-def activation_bytes(setup: Setup) -> int:
+def activation_bytes(setup: Setup, stage: int = 0) -> int:
     """Bytes saved for backward by one forward pass of one micro-batch on one rank, under the
-    checkpointing mode and the layout."""
+    checkpointing mode and the layout; under pp, on pipeline stage `stage` (its blocks, the embedding's
+    on the first, the final norm's on the last, and what the pipeline keeps until the micro-batch's
+    backward: pipeline_io_bytes)."""
     m, t = setup.cfg.model, setup.cfg.train
+    span = setup.spans[stage]
     b, tokens, doc_mask = setup.lp_bytes, rank_tokens(setup), setup.cfg.data.document_masking
-    recomputed = checkpointed_layers(m.num_hidden_layers, t.activation_checkpointing, t.checkpoint_every_k)
+    recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
     # A recomputed block keeps only its input (the residual stream).
-    blocks = recomputed * b * tokens * m.hidden_size + (m.num_hidden_layers - recomputed) * _layer_bytes(
-        setup
-    )
-    final_norm = tokens * m.hidden_size * (FP32 + b) + FP32 * tokens
-    hidden_out = b * tokens * m.hidden_size  # the loss chunks' input, kept for their recomputation
-    rope = 2 * b * tokens * m.head_dim  # cos and sin, [B, T / sp, head_dim] each
+    residual = b * tokens * m.hidden_size
+    blocks = recomputed * residual + (span.blocks - recomputed) * _layer_bytes(setup)
+    # RoPE's cos and sin ([B, T / sp, head_dim] each) and the boolean block-diagonal mask: the model
+    # computes them once for all its blocks; a pipeline's blocks each compute their own from the
+    # positions (and document ids) passed between stages.
+    computed = 1 if setup.layout.pp == 1 else span.blocks
     whole = t.micro_batch * t.seq_len  # every sp rank receives whole sequences and slices views of them
-    ids = 8 * whole + 8  # the embedding's int64 indices and the token count
-    mask = whole * t.seq_len if doc_mask else 0  # boolean block-diagonal mask, shared by all layers
-    return blocks + final_norm + hidden_out + rope + ids + mask
+    rope = computed * 2 * b * tokens * m.head_dim
+    mask = computed * whole * t.seq_len if doc_mask else 0
+    ids = 8 * whole if span.embedding else 0  # the embedding's int64 indices
+    head = 0
+    if span.head:
+        final_norm = tokens * m.hidden_size * (FP32 + b) + FP32 * tokens
+        head = final_norm + residual + 8  # + the loss chunks' input, kept for recomputation; token count
+    return blocks + rope + mask + ids + head + pipeline_io_bytes(setup, span)
+
+
+def pipeline_io_bytes(setup: Setup, span: StageSpan) -> int:
+    """What DeepSpeed's pipeline keeps per micro-batch until its backward, besides saved activations: the
+    received input hidden states (their gradient goes back) and the stage's output (backward starts from
+    it), in the model dtype, and the int64 tensors passed along with them (positions, document ids) and
+    the last stage's labels. Nothing without a pipeline (the one stage has the embedding and the head)."""
+    if setup.layout.pp == 1:
+        return 0
+    t = setup.cfg.train
+    residual = setup.lp_bytes * rank_tokens(setup) * setup.cfg.model.hidden_size
+    hidden = residual * ((not span.embedding) + (not span.head))
+    int64_tensors = 1 + setup.cfg.data.document_masking + span.head  # positions, doc ids, labels
+    return hidden + 8 * t.micro_batch * t.seq_len * int64_tensors
+
+
+def stage_activations(setup: Setup, stage: int) -> int:
+    """Activations pipeline stage `stage` holds at its peak: one micro-batch's times those in flight."""
+    return setup.in_flight(stage) * activation_bytes(setup, stage)
+
+
+def activation_peak_stage(setup: Setup) -> int:
+    """The stage holding the most activations (the first under 1F1B, unless its blocks are lighter)."""
+    return max(range(setup.layout.pp), key=lambda s: stage_activations(setup, s))
 
 
 def backward_working_bytes(setup: Setup) -> int:
@@ -493,10 +591,15 @@ class Estimate:
                 "world_size": s.world_size,
                 "tp": s.layout.tp,
                 "sp": s.layout.sp,
+                "pp": s.layout.pp,
+                "pp_schedule": c.parallel.pp_schedule,
+                "pp_partition": c.parallel.pp_partition,
                 "data_parallel": s.layout.dp,
                 "layout": s.layout.describe(),
                 "zero_group": s.zero_group,
                 "micro_batch": c.train.micro_batch,
+                "global_batch": s.ds["train_batch_size"],
+                "gradient_accumulation_steps": s.accumulation_steps,
                 "seq_len": c.train.seq_len,
                 "activation_checkpointing": c.train.activation_checkpointing,
                 "checkpoint_every_k": c.train.checkpoint_every_k,
@@ -508,12 +611,46 @@ class Estimate:
             "per_node_cpu_bytes": self.cpu_per_node,
             "per_node_nvme": rows(self.nvme),
             "per_node_nvme_bytes": self.nvme_per_node,
+            "pipeline": pipeline_report(s) if s.layout.pp > 1 else None,
         }
+
+
+def pipeline_report(setup: Setup) -> dict[str, Any]:
+    """The pipeline's schedule, bubble and every stage's parameters, model states and activations (the
+    per-GPU terms hold the heaviest stage's states and the peak stage's activations)."""
+    p = setup.cfg.parallel
+    stages = []
+    for span in setup.spans:
+        states = model_states(setup.for_stage(span.index))
+        stages.append(
+            {
+                "stage": span.index,
+                "layers": describe_span(span),
+                "blocks": span.blocks,
+                "params": span.parameters,
+                "model_states_bytes": states.total,
+                "model_states_gpu_bytes": states.gpu,
+                "in_flight_micro_batches": setup.in_flight(span.index),
+                "activations_per_micro_batch_bytes": activation_bytes(setup, span.index),
+                "activations_bytes": stage_activations(setup, span.index),
+            }
+        )
+    return {
+        "stages": setup.layout.pp,
+        "schedule": p.pp_schedule,
+        "partition": p.pp_partition,
+        "micro_batches": setup.accumulation_steps,
+        "bubble_fraction": setup.bubble,
+        "heaviest_stage": setup.state_span.index,
+        "activation_peak_stage": activation_peak_stage(setup),
+        "per_stage": stages,
+    }
 
 
 def estimate(setup: Setup) -> Estimate:
     states = model_states(setup)
     gpu = _state_terms(setup, states) + _activation_terms(setup) + _buffer_terms(setup)
+    gpu += _pipeline_terms(setup)
     gpu.append(
         Term(
             "runtime overhead",
@@ -536,8 +673,14 @@ def _state_terms(setup: Setup, s: ModelStates) -> list[Term]:
 
 
 def _split_note(setup: Setup) -> str:
-    """What tp or sp does to a rank's parameters, for the parameters' note."""
+    """What tp, sp or pp does to a rank's parameters, for the parameters' note."""
     lay = setup.layout
+    if lay.pp > 1:
+        span = setup.state_span
+        return (
+            f"; pipeline stage {span.index} of {lay.pp}, the heaviest: {setup.rank_params:,} params "
+            f"({describe_span(span)})"
+        )
     if lay.tp > 1:
         return (
             f"; q,k,v,o,gate,up,down / tp {lay.tp} ({setup.rank_params:,} params per rank), "
@@ -554,12 +697,14 @@ def _activation_terms(setup: Setup) -> list[Term]:
     mode_note = f"selective, every {t.checkpoint_every_k}" if mode == "selective" else mode
     tokens = f"{t.seq_len} tokens" if lay.sp == 1 else f"{t.seq_len} / sp {lay.sp} tokens"
     split = f"; attention and MLP inner activations / tp {lay.tp}" if lay.tp > 1 else ""
+    peak = activation_peak_stage(setup) if lay.pp > 1 else 0
     terms = [
         Term(
             "activations",
-            activation_bytes(setup),
+            stage_activations(setup, peak),
             "activations",
-            f"saved for backward, micro-batch {t.micro_batch} x {tokens}, checkpointing {mode_note}{split}",
+            f"saved for backward, micro-batch {t.micro_batch} x {tokens}, checkpointing {mode_note}{split}"
+            + _in_flight_note(setup, peak),
         ),
         Term(
             "backward working set", backward_working_bytes(setup), "transient", "recompute + activation grads"
@@ -568,7 +713,8 @@ def _activation_terms(setup: Setup) -> list[Term]:
             "logits and loss",
             loss_chunk_bytes(setup),
             "transient",
-            f"cross-entropy in chunks of {LOSS_CHUNK_ROWS} rows: fp32 logits never whole",
+            f"cross-entropy in chunks of {LOSS_CHUNK_ROWS} rows: fp32 logits never whole"
+            + ("; last stage only" if lay.pp > 1 else ""),
         ),
     ]
     if lay.sp > 1:
@@ -577,8 +723,42 @@ def _activation_terms(setup: Setup) -> list[Term]:
     return terms
 
 
+def _in_flight_note(setup: Setup, stage: int) -> str:
+    """Which stage the activations are of and how many micro-batches it holds, for their note."""
+    lay = setup.layout
+    if lay.pp == 1:
+        return ""
+    span, held = setup.spans[stage], setup.in_flight(stage)
+    return (
+        f"; stage {stage} of {lay.pp}, the peak: {span.blocks} blocks x {held} micro-batch"
+        f"{'es' if held > 1 else ''} in flight ({setup.cfg.parallel.pp_schedule}, "
+        f"{setup.accumulation_steps} per step)"
+    )
+
+
+def _pipeline_terms(setup: Setup) -> list[Term]:
+    """DeepSpeed's pipeline receive buffers, allocated at the first exchange and kept: one activation
+    from the previous stage and one gradient from the next (a middle stage has both, an end stage one)."""
+    lay = setup.layout
+    if lay.pp == 1 or not setup.shape_known:
+        return []
+    buffers = 1 if lay.pp == 2 else 2
+    size = setup.lp_bytes * rank_tokens(setup) * setup.cfg.model.hidden_size
+    note = (
+        "one micro-batch's received activation and gradient"
+        if buffers == 2
+        else "one micro-batch's received activation (last stage) or gradient (first stage)"
+    )
+    return [Term("pipeline receive buffers", buffers * size, "always", note)]
+
+
 def _largest_param(setup: Setup) -> int:
-    return max(parameter_tensors(setup.cfg.model, setup.layout.tp)) if setup.shape_known else 0
+    """The largest parameter tensor a rank holds: under pp, its stage's."""
+    if not setup.shape_known:
+        return 0
+    if setup.layout.pp > 1:
+        return setup.state_span.largest_tensor
+    return max(parameter_tensors(setup.cfg.model, setup.layout.tp))
 
 
 def _buffer_terms(setup: Setup) -> list[Term]:

@@ -49,6 +49,8 @@ def render(doc: dict[str, Any]) -> None:
             console.print(
                 _breakdown_table(doc, key, f"{heading} — {title}" if key == "per_gpu" else heading, total_key)
             )
+    if doc["pipeline"] is not None:
+        _render_pipeline(console, doc["pipeline"])
     verdict = doc.get("verdict")
     if verdict is None:
         return
@@ -58,6 +60,39 @@ def render(doc: dict[str, Any]) -> None:
         line += f", CPU headroom per node {human(verdict['cpu_headroom_bytes'])}"
     console.print(line, style="green" if verdict["fits"] else "red")
     console.print(_fitting_table(doc["fitting_configurations"]))
+
+
+def _render_pipeline(console: Any, pipe: dict[str, Any]) -> None:
+    """The bubble, which stages the per-GPU terms come from, and every stage's numbers."""
+    pp, m = pipe["stages"], pipe["micro_batches"]
+    console.print(
+        f"Pipeline: {pp} stages, {pipe['schedule']}, partitioned by {pipe['partition']}, {m} micro-batches "
+        f"per step; bubble (pp - 1) / (m + pp - 1) = {pp - 1}/{m + pp - 1} = {pipe['bubble_fraction']:.1%} "
+        "of each step idle"
+    )
+    console.print(
+        f"Per GPU above: model states of stage {pipe['heaviest_stage']} (the heaviest) + activations of "
+        f"stage {pipe['activation_peak_stage']} (the peak), a bound on every stage's peak"
+    )
+    console.print(_stage_table(pipe["per_stage"]))
+
+
+def _stage_table(stages: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="Pipeline stages")
+    for column in ("stage", "layers", "params", "model states", "in flight", "activations"):
+        table.add_column(column, justify="left" if column == "layers" else "right")
+    for st in stages:
+        table.add_row(
+            str(st["stage"]),
+            st["layers"],
+            f"{st['params']:,}",
+            human(st["model_states_bytes"]),
+            str(st["in_flight_micro_batches"]),
+            human(st["activations_bytes"]),
+        )
+    return table
 
 
 def _breakdown_table(doc: dict[str, Any], key: str, title: str, total_key: str) -> Any:
@@ -81,7 +116,7 @@ def _fitting_table(candidates: list[dict[str, Any]]) -> Any:
         table.add_column(column)
     for c in candidates:
         table.add_row(
-            c["layout"],
+            c["layout"] + (f" (bubble {c['bubble']:.0%})" if c["pp"] > 1 else ""),
             str(c["stage"]),
             c["offload"],
             str(c["micro_batch"]),
