@@ -7,6 +7,10 @@ those two are reassembled here. Every file is pickle-scanned first and loaded we
 With tensor parallelism (AutoTP) each tp rank's files (`mp_rank_XX`) hold a data-parallel checkpoint of
 that rank's slices: each rank is consolidated as above, then every parameter is rebuilt from its slices
 by the layout DeepSpeed saved with it (its affine map: full shape, which block each rank holds).
+
+A pipeline checkpoint (PipelineEngine, ZeRO 1: `layer_NN-model_states.pt` files) uses `mp_rank_XX` for
+the pipeline stage, not a tp rank: each stage's fp32 masters are cut from its optimizer shards and
+renamed from DeepSpeed's layer-indexed names to the one-process model's (see `_pipeline_fp32`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from llmtrain.checkpoint.common import CheckpointError
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
+from llmtrain.parallel import stages
 
 
 def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -32,14 +37,21 @@ def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.T
     scan_pickles(path)
     # The optimizer's fp32 copies load as tensors that require grad: weights are plain data.
     with weights_only_loads(), torch.no_grad():
-        tp_ranks = _tp_ranks(path)
-        if len(tp_ranks) == 1:
-            state = _one_tp_rank(path, info.partitioned)
+        if _is_pipeline_checkpoint(path):
+            state = _pipeline_fp32(path, info.partitioned)
         else:
-            with tempfile.TemporaryDirectory(prefix="llmtrain_tp_") as tmp:
-                views = [_tp_rank_view(path, rank, Path(tmp)) for rank in tp_ranks]
-                state = _merge_tp_slices(path, [_one_tp_rank(view, info.partitioned) for view in views])
+            state = _tp_fp32(path, info.partitioned)
     return {name: tensor.detach() for name, tensor in state.items()}
+
+
+def _tp_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
+    """A data- and tensor-parallel checkpoint: each tp rank consolidated, then the slices merged."""
+    tp_ranks = _mp_ranks(path, "tp ranks")
+    if len(tp_ranks) == 1:
+        return _one_tp_rank(path, partitioned)
+    with tempfile.TemporaryDirectory(prefix="llmtrain_tp_") as tmp:
+        views = [_tp_rank_view(path, rank, Path(tmp)) for rank in tp_ranks]
+        return _merge_tp_slices(path, [_one_tp_rank(view, partitioned) for view in views])
 
 
 def _one_tp_rank(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
@@ -54,13 +66,13 @@ def _one_tp_rank(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
     return {k: v.float().contiguous() for k, v in state.items()}
 
 
-def _tp_ranks(path: Path) -> list[int]:
-    """The tp ranks (`mp_rank_XX` in DeepSpeed's file names) the checkpoint has files for, in order."""
+def _mp_ranks(path: Path, kind: str) -> list[int]:
+    """The `mp_rank_XX` numbers the checkpoint has files for, in order: tp ranks, or pipeline stages."""
     ranks = sorted(
         {int(m.group(1)) for p in path.glob("*.pt") if (m := re.search(r"mp_rank_(\d+)_", p.name))}
     )
     if not ranks or ranks != list(range(len(ranks))):
-        raise CheckpointError(f"{path}: files for tp ranks {ranks}, expected 0, 1, ... N-1")
+        raise CheckpointError(f"{path}: files for {kind} {ranks}, expected 0, 1, ... N-1")
     return ranks
 
 
@@ -120,11 +132,14 @@ def _tp_layout(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return dict(info[AFFINE_MAP_PARAMS]), dict(sd.get("shared_params") or {})
 
 
-def _optim_files(path: Path) -> list[Path]:
+def _optim_files(path: Path, mp_rank: int = 0) -> list[Path]:
+    """The optimizer shards of one mp rank (tp rank or pipeline stage), in data-parallel rank order;
+    BF16_Optimizer's are named `bf16_zero_pp_rank_...`, ZeRO's `zero_pp_rank_...`."""
+
     def rank_of(p: Path) -> int:
         return int(re.search(r"zero_pp_rank_(\d+)_", p.name).group(1))  # type: ignore[union-attr]
 
-    return sorted(path.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
+    return sorted(path.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"), key=rank_of)
 
 
 def _is_bf16_optimizer_checkpoint(path: Path) -> bool:
@@ -137,13 +152,7 @@ def _is_bf16_optimizer_checkpoint(path: Path) -> bool:
 def _sliced_fp32(path: Path) -> dict[str, torch.Tensor]:
     """Reassemble each parameter from the per-rank fp32 partitions via their `param_slice_mappings`
     (name -> fragment_address(start, numel) in that rank's flat group), as ds_to_universal does."""
-    pieces: dict[str, list[torch.Tensor]] = {}
-    for file in _optim_files(path):
-        osd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["optimizer_state_dict"]
-        flats = osd["single_partition_of_fp32_groups"]
-        for group, mapping in enumerate(osd["param_slice_mappings"]):
-            for name, frag in mapping.items():
-                pieces.setdefault(name, []).append(flats[group].narrow(0, frag.start, frag.numel))
+    pieces = _fp32_fragments(_optim_files(path))
     model = torch.load(_single_model_file(path), map_location="cpu", weights_only=True)
     shapes = {name: shape for group in model["param_shapes"] for name, shape in group.items()}
     out = {name: v.float().clone() for name, v in model["module"].items()}  # buffers, untrained params
@@ -152,6 +161,19 @@ def _sliced_fp32(path: Path) -> dict[str, torch.Tensor]:
     for alias, source in (model.get("shared_params") or {}).items():
         out[alias] = out[source]
     return out
+
+
+def _fp32_fragments(files: list[Path]) -> dict[str, list[torch.Tensor]]:
+    """Each parameter's pieces of fp32 master, in the order of `files` (data-parallel ranks): ZeRO-1
+    and BF16_Optimizer shards both save the flat partitions and `param_slice_mappings`."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for file in files:
+        osd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["optimizer_state_dict"]
+        flats = osd["single_partition_of_fp32_groups"]
+        for group, mapping in enumerate(osd["param_slice_mappings"]):
+            for name, frag in mapping.items():
+                pieces.setdefault(name, []).append(flats[group].narrow(0, frag.start, frag.numel))
+    return pieces
 
 
 def _single_model_file(path: Path) -> Path:
@@ -201,4 +223,96 @@ def _split_flat(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tens
     for t in like:
         out.append(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+    return out
+
+
+# ---------------------------------------------------------------- pipeline-parallel checkpoints
+
+# PipelineModule saves each layer's state dict (model dtype, the layer's own names) as
+# `layer_NN-model_states.pt`; a `-model_XX` suffix would mark tp ranks, which llmtrain refuses with pp.
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
+# PipelineModule's parameter names: `<layer index>.<name in the layer>`, or `tied_modules.<key>.<name>`
+# for a TiedLayerSpec's module (one per stage that runs any of its layers).
+_PIPE_NAME = re.compile(r"(?:(\d+)|tied_modules\.[^.]+)\.(.+)")
+
+
+def _is_pipeline_checkpoint(path: Path) -> bool:
+    return any(path.glob("layer_*-model_states.pt"))
+
+
+def _pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a PipelineEngine checkpoint (`mp_rank_XX` = stage XX), by model.py's names.
+
+    Each stage's fp32 masters come from its ZeRO-1 shards. The layer files (memory-mapped, read only
+    where needed) check the renaming and give anything the optimizer does not hold (buffers, frozen
+    parameters). A tied embedding is on the first and the last stage, copies kept equal by summing
+    their gradients: the first stage's is taken, and no `lm_head.weight` is written (DeepSpeed saves
+    no layer file for the tied head either; the model re-ties it).
+    """
+    if not partitioned:
+        raise CheckpointError(
+            f"{path}: pipeline checkpoint without optimizer shards; llmtrain trains --pp with --zero 1"
+        )
+    saved, num_blocks = _pipeline_layers(path)
+    masters: dict[str, torch.Tensor] = {}
+    for stage in _mp_ranks(path, "pipeline stages"):
+        for name, tensor in _stage_fp32(path, stage).items():
+            masters.setdefault(_model_name(name, num_blocks), tensor)
+    for name, tensor in masters.items():
+        if name not in saved or saved[name].shape != tensor.shape:
+            raise CheckpointError(f"{path}: fp32 master {name} {tuple(tensor.shape)} is in no layer file")
+    rest = {name: t.to(torch.float32, copy=True) for name, t in saved.items() if name not in masters}
+    return {**rest, **masters}
+
+
+def _pipeline_layers(path: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """Every layer file's tensors by model.py's names (memory-mapped), and the number of blocks."""
+    layers = {}
+    for file in sorted(path.glob("layer_*-model_states.pt")):
+        match = _LAYER_FILE.fullmatch(file.name)
+        if match is None:
+            raise CheckpointError(f"{file}: a layer file of a tensor-parallel pipeline, not supported")
+        layers[int(match.group(1))] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    num_blocks = _num_blocks(path, layers)
+    saved = {
+        _model_name(f"{index}.{name}", num_blocks): tensor
+        for index, state in layers.items()
+        for name, tensor in state.items()
+    }
+    return saved, num_blocks
+
+
+def _num_blocks(path: Path, layers: dict[int, dict[str, torch.Tensor]]) -> int:
+    """L, from where the final norm sits: layer 0 is the embedding, 1..L the blocks, L+1 the norm
+    (NormStage's only parameter is `norm.weight`; a block's norms have longer names)."""
+    norms = [index for index, state in layers.items() if "norm.weight" in state]
+    if len(norms) != 1:
+        raise CheckpointError(f"{path}: expected one layer file holding norm.weight, found {len(norms)}")
+    return norms[0] - 1
+
+
+def _model_name(pipe_name: str, num_blocks: int) -> str:
+    """PipelineModule's name -> model.py's: `3.self_attn.q_proj.weight` -> `layers.2.self_attn...`.
+    A tied module is the embedding stage, whose names are model.py's already."""
+    match = _PIPE_NAME.fullmatch(pipe_name)
+    if match is None:
+        raise CheckpointError(f"pipeline parameter {pipe_name!r}: neither `<layer>.<name>` nor tied")
+    index, local = match.groups()
+    return local if index is None else stages.layer_prefix(int(index), num_blocks) + local
+
+
+def _stage_fp32(path: Path, stage: int) -> dict[str, torch.Tensor]:
+    """One stage's fp32 masters by PipelineModule's names: every parameter in the stage's
+    `param_shapes` (the engine's order) from its fragments in the stage's data-parallel shards."""
+    pieces = _fp32_fragments(_optim_files(path, stage))
+    model_file = path / f"mp_rank_{stage:02d}_model_states.pt"
+    model = torch.load(model_file, map_location="cpu", weights_only=True)
+    out = {}
+    for name, shape in (item for group in model["param_shapes"] for item in group.items()):
+        parts = pieces.pop(name, [])
+        if sum(p.numel() for p in parts) != shape.numel():
+            raise CheckpointError(f"{model_file}: the optimizer shards hold no full fp32 copy of {name}")
+        out[name] = torch.cat(parts).view(shape)
+    if pieces:
+        raise CheckpointError(f"{model_file}: optimizer fragments of unknown parameters {sorted(pieces)}")
     return out
