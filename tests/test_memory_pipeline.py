@@ -238,7 +238,7 @@ def test_fit_proposes_pipelines_only_where_they_compose() -> None:
         # The setup's global batch (4 x 8 = 32) kept: a whole number of micro-batches per pipeline.
         m = 32 // (c.micro_batch * lay.dp)
         assert m * c.micro_batch * lay.dp == 32
-        assert c.bubble == pytest.approx(pipeline.bubble_fraction(c.pp, m))
+        assert c.bubble == pytest.approx(stages.bubble_fraction(c.pp, m))
         est = memory.estimate(
             setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp, c.pp)
         )
