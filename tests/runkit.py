@@ -203,3 +203,40 @@ def rewrite_manifest_entry(ckpt_dir: Path, rel: str) -> None:
         if entry["path"] == rel:
             entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- SIGKILL mid-run, then resume
+
+EXACT_KEYS = ("loss", "lr", "grad_norm", "tokens")
+
+
+def run_ok(args: list[str], log: Path, timeout: float) -> str:
+    """Run a verb to its end; its output (exit code 0 asserted)."""
+    code, output = start(args, log, run_env()).wait(timeout)
+    assert code == 0, output[-3000:]
+    return output
+
+
+def kill_after_a_checkpoint(
+    args: list[str], run_dir: Path, log: Path, save_every: int, timeout: float
+) -> None:
+    """Start `args` (a train of `run_dir`) and SIGKILL its whole tree once a checkpoint exists and the
+    run is past it, so a resume must redo steps from the checkpoint."""
+    run = start(args, log, run_env())
+    wait_for(
+        lambda: latest(run_dir) is not None and last_logged_step(run_dir) > save_every + 1,
+        timeout,
+        f"step {save_every + 2}",
+    )
+    kill_tree(run.proc.pid, signal.SIGKILL, wait_s=30)
+    run.proc.wait()
+
+
+def assert_resumed_bitwise(reference: Path, resumed: Path, steps: int) -> None:
+    """Every step's loss, lr, grad norm and token count of `resumed` equal the uninterrupted run's."""
+    ref_records = {r["step"]: r for r in metrics(reference) if "loss" in r}
+    got_records = {r["step"]: r for r in metrics(resumed) if "loss" in r}
+    assert sorted(got_records) == list(range(1, steps + 1))
+    for step, record in ref_records.items():
+        assert {k: got_records[step][k] for k in EXACT_KEYS} == {k: record[k] for k in EXACT_KEYS}, step
+    assert losses(resumed) == losses(reference)

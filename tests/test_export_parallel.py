@@ -8,24 +8,17 @@ collectives, and two such jobs on 2 cores starve each other.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import exportkit
 import numpy as np
-import psutil
 import pytest
 import torch
-from dist import free_port
 from safetensors.torch import load_file
 
-from llmtrain import cli
-from llmtrain.checkpoint import consolidated_fp32_state_dict, weights_only_loads
+from llmtrain.checkpoint import weights_only_loads
 from llmtrain.engine.dsconfig import TP_COLUMN_PATTERNS, TP_ROW_PATTERNS
 
 pytestmark = pytest.mark.slow
@@ -42,56 +35,22 @@ TRAIN_ARGS = [
 ]  # fmt: skip
 RUNS = {"one": [], "tp2": ["--gpus", "2", "--tp", "2"], "sp2": ["--gpus", "2", "--sp", "2"]}
 PARALLEL = ["tp2", "sp2"]
-TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The three run directories: the 1-process run alongside tp2, then sp2 (about a minute on 2 cores)."""
     base = tmp_path_factory.mktemp("parallel_runs")
-    one = _start(base, "one")
+    one = exportkit.start(base, "one", [*TRAIN_ARGS, *RUNS["one"]])
     for name in PARALLEL:
-        _finish(base, name, _start(base, name))
-    _finish(base, "one", one)
+        exportkit.finish(base, name, exportkit.start(base, name, [*TRAIN_ARGS, *RUNS[name]]))
+    exportkit.finish(base, "one", one)
     return {name: base / name for name in RUNS}
-
-
-def _start(base: Path, name: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "llmtrain", "train", *TRAIN_ARGS, *RUNS[name]]
-    cmd += ["--run-dir", str(base / name), "--master-port", str(free_port())]
-    with open(base / f"{name}.log", "wb") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _finish(base: Path, name: str, proc: subprocess.Popen[bytes]) -> None:
-    try:
-        proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # The launcher starts its workers in sessions of their own: end the whole tree, not a group.
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        proc.wait()
-    tail = (base / f"{name}.log").read_text(errors="replace")[-3000:]
-    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{tail}"
-
-
-def _consolidated(run_dir: Path) -> dict[str, torch.Tensor]:
-    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32's progress lines
-        return consolidated_fp32_state_dict(run_dir / "checkpoints", TAG)
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out
 
 
 @pytest.mark.parametrize("name", PARALLEL)
 def test_consolidated_weights_equal_the_one_process_ones(runs: dict[str, Path], name: str) -> None:
-    ours, reference = _consolidated(runs[name]), _consolidated(runs["one"])
+    ours, reference = exportkit.consolidated(runs[name], TAG), exportkit.consolidated(runs["one"], TAG)
     assert sorted(ours) == sorted(reference)
     for key, tensor in reference.items():
         assert ours[key].dtype == torch.float32 and ours[key].shape == tensor.shape, key
@@ -101,7 +60,7 @@ def test_consolidated_weights_equal_the_one_process_ones(runs: dict[str, Path], 
 def test_tp_slices_are_put_back_by_column_and_by_row(runs: dict[str, Path]) -> None:
     """Exact: at ZeRO 1 in fp32 each tp rank's model file holds its live slice of every weight; the
     consolidated weight's rank-r block along dim 0 (column-parallel) or 1 (row-parallel) is that slice."""
-    full = _consolidated(runs["tp2"])
+    full = exportkit.consolidated(runs["tp2"], TAG)
     ckpt = runs["tp2"] / "checkpoints" / TAG
     dims = {key: _tp_dim(key) for key in full}
     assert list(dims.values()).count(None) == 7  # embed_tokens, lm_head, 5 norms
@@ -123,10 +82,10 @@ def test_export_of_a_tp_run_writes_the_one_process_weights(
     runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "hf"
-    _cli(capsys, "export", str(runs["tp2"]), "--out", str(out))
+    exportkit.run_cli(capsys, "export", str(runs["tp2"]), "--out", str(out))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 176  # not 176 / tp
-    exported, reference = load_file(str(out / "model.safetensors")), _consolidated(runs["one"])
+    exported, reference = load_file(str(out / "model.safetensors")), exportkit.consolidated(runs["one"], TAG)
     assert len(exported) == len(reference)
     for key, tensor in reference.items():
         hf_key = key if key == "lm_head.weight" else f"model.{key}"
@@ -139,10 +98,10 @@ def test_eval_and_greedy_generate_match_the_one_process_run(
 ) -> None:
     # By default eval covers what training-time evaluation does: eval_batches per data-parallel rank,
     # the same for a 1-process run and a tp or sp run of data-parallel size 1.
-    evals = [json.loads(_cli(capsys, "eval", str(runs[run]), "--json")) for run in ("one", name)]
+    evals = [json.loads(exportkit.run_cli(capsys, "eval", str(runs[run]), "--json")) for run in ("one", name)]
     assert evals[0]["batches"] == evals[1]["batches"]
     assert evals[1]["val_loss"] == pytest.approx(evals[0]["val_loss"], abs=1e-6)
     argv = ["--prompt", "The", "--temperature", "0", "--max-tokens", "24"]
-    texts = [_cli(capsys, "generate", str(runs[run]), *argv) for run in ("one", name)]
+    texts = [exportkit.run_cli(capsys, "generate", str(runs[run]), *argv) for run in ("one", name)]
     assert len(texts[0]) > len("The") + 10
     assert texts[1] == texts[0]

@@ -12,19 +12,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import psutil
+import exportkit
 import pytest
 import torch
-from dist import free_port
 from safetensors.torch import load_file
 
-from llmtrain import cli
 from llmtrain.checkpoint import consolidated_fp32_state_dict, weights_only_loads
 from llmtrain.checkpoint.consolidate import _model_name
 
@@ -39,7 +34,6 @@ TRAIN_ARGS = [
     "--zero", "1", "--set", "optim.eps=1e-6",
 ]  # fmt: skip
 RUNS = {"one": [], "pp2": ["--gpus", "2", "--pp", "2"]}
-TIMEOUT_S = 240
 RTOL = 1e-6
 
 
@@ -47,48 +41,15 @@ RTOL = 1e-6
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Both run directories, trained side by side (about 20 s on 2 otherwise idle cores)."""
     base = tmp_path_factory.mktemp("pipeline_runs")
-    procs = {name: _start(base, name) for name in RUNS}
+    procs = {name: exportkit.start(base, name, [*TRAIN_ARGS, *RUNS[name]]) for name in RUNS}
     for name, proc in procs.items():
-        _finish(base, name, proc)
+        exportkit.finish(base, name, proc)
     return {name: base / name for name in RUNS}
-
-
-def _start(base: Path, name: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "llmtrain", "train", *TRAIN_ARGS, *RUNS[name]]
-    cmd += ["--run-dir", str(base / name), "--master-port", str(free_port())]
-    with open(base / f"{name}.log", "wb") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _finish(base: Path, name: str, proc: subprocess.Popen[bytes]) -> None:
-    try:
-        proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # The launcher starts its workers in sessions of their own: end the whole tree, not a group.
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        proc.wait()
-    tail = (base / f"{name}.log").read_text(errors="replace")[-3000:]
-    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{tail}"
-
-
-def _consolidated(run_dir: Path) -> dict[str, torch.Tensor]:
-    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32's progress lines
-        return consolidated_fp32_state_dict(run_dir / "checkpoints", TAG)
 
 
 def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     """Largest difference over the largest magnitude: elements near zero do not inflate it."""
     return float((ours - reference).abs().max() / reference.abs().max())
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return out
 
 
 @pytest.mark.slow
@@ -105,7 +66,7 @@ def test_pipeline_checkpoint_has_stage_files_not_tp_ranks(runs: dict[str, Path])
 
 @pytest.mark.slow
 def test_consolidated_weights_equal_the_one_process_ones(runs: dict[str, Path]) -> None:
-    ours, reference = _consolidated(runs["pp2"]), _consolidated(runs["one"])
+    ours, reference = exportkit.consolidated(runs["pp2"], TAG), exportkit.consolidated(runs["one"], TAG)
     assert sorted(ours) == sorted(reference)
     for key, tensor in reference.items():
         assert ours[key].dtype == torch.float32 and ours[key].shape == tensor.shape, key
@@ -116,7 +77,7 @@ def test_consolidated_weights_equal_the_one_process_ones(runs: dict[str, Path]) 
 def test_masters_match_the_layer_files_exactly(runs: dict[str, Path]) -> None:
     """At fp32 each layer file holds the live weights the optimizer's masters are: equal bit for bit
     once renamed, so no fragment is misplaced whatever the trajectories do."""
-    full = _consolidated(runs["pp2"])
+    full = exportkit.consolidated(runs["pp2"], TAG)
     ckpt = runs["pp2"] / "checkpoints" / TAG
     seen = set()
     with weights_only_loads():
@@ -147,7 +108,7 @@ def test_bf16_optimizer_shards_consolidate_alike(runs: dict[str, Path], tmp_path
             shard.unlink()
     with contextlib.redirect_stdout(io.StringIO()):
         ours = consolidated_fp32_state_dict(root, TAG)
-    reference = _consolidated(runs["pp2"])
+    reference = exportkit.consolidated(runs["pp2"], TAG)
     assert sorted(ours) == sorted(reference)
     assert all(torch.equal(ours[key], tensor) for key, tensor in reference.items())
 
@@ -172,7 +133,7 @@ def test_export_of_a_pipeline_run_writes_the_one_process_weights(
 ) -> None:
     exported = {}
     for name in RUNS:
-        _cli(capsys, "export", str(runs[name]), "--out", str(tmp_path / name))
+        exportkit.run_cli(capsys, "export", str(runs[name]), "--out", str(tmp_path / name))
         exported[name] = load_file(str(tmp_path / name / "model.safetensors"))
     assert sorted(exported["pp2"]) == sorted(exported["one"])
     for key, tensor in exported["one"].items():
@@ -183,10 +144,10 @@ def test_export_of_a_pipeline_run_writes_the_one_process_weights(
 def test_eval_and_greedy_generate_match_the_one_process_run(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    evals = [json.loads(_cli(capsys, "eval", str(runs[name]), "--json")) for name in RUNS]
+    evals = [json.loads(exportkit.run_cli(capsys, "eval", str(runs[name]), "--json")) for name in RUNS]
     assert evals[0]["batches"] == evals[1]["batches"]  # data-parallel size 1 both
     assert evals[1]["val_loss"] == pytest.approx(evals[0]["val_loss"], abs=1e-5)
     argv = ["--prompt", "The", "--temperature", "0", "--max-tokens", "24"]
-    texts = [_cli(capsys, "generate", str(runs[name]), *argv) for name in RUNS]
+    texts = [exportkit.run_cli(capsys, "generate", str(runs[name]), *argv) for name in RUNS]
     assert len(texts[0]) > len("The") + 10
     assert texts[1] == texts[0]

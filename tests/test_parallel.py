@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,15 @@ import pytest
 import trainkit
 from dist import run_distributed
 from runkit import (
-    kill_tree,
+    assert_resumed_bitwise,
+    kill_after_a_checkpoint,
     last_logged_step,
-    latest,
     losses,
-    metrics,
     resume_args,
     run_env,
+    run_ok,
     start,
     train_args,
-    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -192,18 +190,11 @@ KILL_STEPS, SAVE_EVERY = 12, 4
 TIMEOUT_S = 300
 
 
-def _run(args: list[str], log: Path) -> str:
-    run = start(args, log, run_env())
-    code, output = run.wait(TIMEOUT_S)
-    assert code == 0, output[-3000:]
-    return output
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """`llmtrain train` on one process with the flags of the runs below: their global batch."""
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
-    _run(train_args(run_dir, KILL_STEPS, SAVE_EVERY, gpus=1), run_dir.parent / "run.log")
+    run_ok(train_args(run_dir, KILL_STEPS, SAVE_EVERY, gpus=1), run_dir.parent / "run.log", TIMEOUT_S)
     return losses(run_dir)
 
 
@@ -213,17 +204,13 @@ def test_sigkill_then_resume_is_bitwise_exact(
 ) -> None:
     layout = [f"--{axis}", "2"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    _run(train_args(reference, KILL_STEPS, SAVE_EVERY, *layout), tmp_path / "reference.log")
+    run_ok(train_args(reference, KILL_STEPS, SAVE_EVERY, *layout), tmp_path / "reference.log", TIMEOUT_S)
     # `llmtrain train --gpus 2 --tp 2` (or --sp 2) itself follows the one-process run.
     steps = sorted(one_process)
     assert _rel_diff([losses(reference)[s] for s in steps], [one_process[s] for s in steps]) < REL_TOL
 
-    run = start(train_args(killed, KILL_STEPS, SAVE_EVERY, *layout), tmp_path / "killed.log", run_env())
-    wait_for(
-        lambda: latest(killed) is not None and last_logged_step(killed) > SAVE_EVERY + 1, TIMEOUT_S, "step 6"
-    )
-    kill_tree(run.proc.pid, signal.SIGKILL, wait_s=30)
-    run.proc.wait()
+    args = train_args(killed, KILL_STEPS, SAVE_EVERY, *layout)
+    kill_after_a_checkpoint(args, killed, tmp_path / "killed.log", SAVE_EVERY, TIMEOUT_S)
     assert last_logged_step(killed) < KILL_STEPS, "the run ended before the kill"
 
     # 4 processes of micro-batch 1 hold the same global batch at dp 2: valid for a fresh run, not here.
@@ -233,11 +220,5 @@ def test_sigkill_then_resume_is_bitwise_exact(
     assert code == 2, output[-3000:]
     assert f"error: --gpus: this run was saved on 2 processes (dp 1 x {axis} 2)" in output
 
-    _run(resume_args(killed), tmp_path / "resume.log")
-    exact = ("loss", "lr", "grad_norm", "tokens")
-    ref_records = {r["step"]: r for r in metrics(reference) if "loss" in r}
-    got_records = {r["step"]: r for r in metrics(killed) if "loss" in r}
-    assert sorted(got_records) == list(range(1, KILL_STEPS + 1))
-    for step, record in ref_records.items():
-        assert {k: got_records[step][k] for k in exact} == {k: record[k] for k in exact}, step
-    assert losses(killed) == losses(reference)
+    run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
+    assert_resumed_bitwise(reference, killed, KILL_STEPS)

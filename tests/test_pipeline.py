@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,16 @@ import pytest
 import trainkit
 from dist import run_distributed
 from runkit import (
-    kill_tree,
+    assert_resumed_bitwise,
+    kill_after_a_checkpoint,
     last_logged_step,
-    latest,
     losses,
-    metrics,
     resume_args,
     run_env,
+    run_ok,
     start,
     train_args,
 )
-from runkit import wait_for as wait_until
 from test_parallel import REL_TOL, _rel_diff, _short_documents
 
 pytestmark = pytest.mark.slow
@@ -189,37 +187,19 @@ TIMEOUT_S = 300
 PIPELINE = ["--pp", "2", "--global-batch", "4", "--set", "model.num_hidden_layers=4"]
 
 
-def _run(args: list[str], log: Path) -> str:
-    run = start(args, log, run_env())
-    code, output = run.wait(TIMEOUT_S)
-    assert code == 0, output[-3000:]
-    return output
-
-
 def test_sigkill_then_resume_is_bitwise_exact_under_pp(tmp_path: Path) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    _run(train_args(reference, KILL_STEPS, SAVE_EVERY, *PIPELINE), tmp_path / "reference.log")
-
-    run = start(train_args(killed, KILL_STEPS, SAVE_EVERY, *PIPELINE), tmp_path / "killed.log", run_env())
-    wait_until(
-        lambda: latest(killed) is not None and last_logged_step(killed) > SAVE_EVERY + 1, TIMEOUT_S, "step 6"
-    )
-    kill_tree(run.proc.pid, signal.SIGKILL, wait_s=30)
-    run.proc.wait()
+    run_ok(train_args(reference, KILL_STEPS, SAVE_EVERY, *PIPELINE), tmp_path / "reference.log", TIMEOUT_S)
+    args = train_args(killed, KILL_STEPS, SAVE_EVERY, *PIPELINE)
+    kill_after_a_checkpoint(args, killed, tmp_path / "killed.log", SAVE_EVERY, TIMEOUT_S)
     assert last_logged_step(killed) < KILL_STEPS, "the run ended before the kill"
 
-    # Another pipeline degree (here none) cannot read the saved stages: refused in one line.
+    # Another process count (here no pipeline at dp 4) cannot read the saved stages: refused in one line.
     refused = start([*resume_args(killed), "--gpus", "4"], tmp_path / "refused.log", run_env())
     code, output = refused.wait(TIMEOUT_S)
     assert code == 2, output[-3000:]
     assert "error: --gpus: this run was saved on 2 processes (dp 1 x pp 2)" in output
 
-    _run(resume_args(killed), tmp_path / "resume.log")
-    exact = ("loss", "lr", "grad_norm", "tokens")
-    ref_records = {r["step"]: r for r in metrics(reference) if "loss" in r}
-    got_records = {r["step"]: r for r in metrics(killed) if "loss" in r}
-    assert sorted(got_records) == list(range(1, KILL_STEPS + 1))
-    for step, record in ref_records.items():
-        assert {k: got_records[step][k] for k in exact} == {k: record[k] for k in exact}, step
-    assert losses(killed) == losses(reference)
+    run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
+    assert_resumed_bitwise(reference, killed, KILL_STEPS)
     assert np.isfinite(list(losses(killed).values())).all()
