@@ -10,11 +10,23 @@ PipelineModule and `estimate-memory --pp` both call it, so the estimate is of th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from llmtrain.config import ModelConfig
 from llmtrain.presets import count_parameters
 
 EMBED, NORM, HEAD = "embed", "norm", "head"
+
+
+class ModelShape(Protocol):
+    """What the cut reads of a model (config.ModelConfig has it; the config imports this package, so
+    the shape is named here rather than imported)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
 
 
 @dataclass(frozen=True)
@@ -23,7 +35,7 @@ class PipelineLayer:
     parameters: int  # elements this layer holds on its stage (a tied output layer holds the embedding)
 
 
-def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
+def pipeline_layers(model: ModelShape) -> list[PipelineLayer]:
     """The model as the pipeline runs it: embedding, blocks, final norm, output layer.
 
     With tied embeddings the output layer is a copy of the embedding on the last stage (DeepSpeed's
@@ -38,12 +50,19 @@ def pipeline_layers(model: ModelConfig) -> list[PipelineLayer]:
     )
 
 
-def _block_parameters(model: ModelConfig) -> int:
+def _block_parameters(model: ModelShape) -> int:
     # What count_parameters adds per block: the difference between two blocks and one of this shape.
-    shape = vars(model)
-    return count_parameters(**{**shape, "num_hidden_layers": 2}) - count_parameters(
-        **{**shape, "num_hidden_layers": 1}
-    )
+    def with_blocks(n: int) -> int:
+        return count_parameters(
+            vocab_size=model.vocab_size,
+            hidden_size=model.hidden_size,
+            intermediate_size=model.intermediate_size,
+            num_hidden_layers=n,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+        )
+
+    return with_blocks(2) - with_blocks(1)
 
 
 def stage_bounds(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:
@@ -97,7 +116,7 @@ def _balanced(layers: list[PipelineLayer], blocks: list[int], pp: int) -> list[i
     return bounds[::-1]
 
 
-def stage_parameters(model: ModelConfig, pp: int, method: str) -> list[int]:
+def stage_parameters(model: ModelShape, pp: int, method: str) -> list[int]:
     """Parameters each stage holds (a tied embedding on both the first and the last)."""
     layers = pipeline_layers(model)
     bounds = stage_bounds(layers, pp, method)
