@@ -48,10 +48,9 @@ def _worker(
         queue.put((rank, "error", traceback.format_exc()))
         raise
     finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        from llmtrain.parallel.distributed import shutdown
+
+        shutdown()  # barrier, destroy, and DeepSpeed's shared-memory buffer removed
 
 
 def run_distributed(

@@ -240,3 +240,9 @@ def assert_resumed_bitwise(reference: Path, resumed: Path, steps: int) -> None:
     for step, record in ref_records.items():
         assert {k: got_records[step][k] for k in EXACT_KEYS} == {k: record[k] for k in EXACT_KEYS}, step
     assert losses(resumed) == losses(reference)
+
+
+def shm_buffers(args: list[str]) -> list[Path]:
+    """DeepSpeed's shared-memory all-reduce files left by the run launched with `args` (its port)."""
+    port = args[args.index("--master-port") + 1]
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))

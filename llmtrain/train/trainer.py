@@ -95,11 +95,9 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
             raise
         raise named from exc
     finally:
-        if failed and torch.distributed.is_initialized():
-            # Another rank may be waiting in a collective for us: skip the barrier, the launcher ends it.
-            torch.distributed.destroy_process_group()
-        elif not failed:
-            distributed.shutdown()
+        # After a failure another rank may be waiting in a collective for us: no barrier, the launcher
+        # ends it.
+        distributed.shutdown(barrier=not failed)
 
 
 def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -> Trainer:
