@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_train import THREADS, measure_step_memory, random_batches
+from bench.ranks import free_port, rank_env
 
 WORLD_SIZE = 2
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "sp2": (1, 2)}  # name -> (tp, sp)
@@ -176,34 +176,19 @@ def worker(setup: Setup) -> None:
 # ---------------------------------------------------------------- the parent side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Pair:
     """The two ranks of one layout; every command goes to both, and both answer."""
 
     def __init__(self, setup: Setup, log_dir: Path) -> None:
         self.setup = setup
-        port = _free_port()
+        port = free_port()
         self.logs = [log_dir / f"{setup.name}-rank{rank}.log" for rank in range(WORLD_SIZE)]
         self.procs = [self._start(rank, port) for rank in range(WORLD_SIZE)]
         self.times: list[float] = []
         self.losses: list[float] = []
 
     def _start(self, rank: int, port: int) -> subprocess.Popen[str]:
-        env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD_SIZE),
-            LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        env = rank_env(rank, WORLD_SIZE, port)
         with open(self.logs[rank], "w") as log:  # the worker keeps its own copy of the descriptor
             return subprocess.Popen(
                 [sys.executable, "-m", "bench.bench_parallel", "--worker", json.dumps(asdict(self.setup))],

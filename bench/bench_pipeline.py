@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,9 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_train import THREADS, random_batches
+from bench.ranks import free_port, rank_env
+from llmtrain.memory.pipeline import SCHEDULES  # the config's schedule names
 
 PP = 2  # stages, one process each: the world
-SCHEDULES = ("1f1b", "gpipe")
 COMPUTE = ("ForwardPass", "BackwardPass")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "pipeline.json"
@@ -86,21 +85,12 @@ def setups(shape: Shape) -> list[tuple[str, int]]:
 
 
 def stage_contents(model: Any, partition: str) -> str:
-    """What each stage runs, e.g. `stage 0: embedding + 5 blocks, stage 1: 4 blocks + output layer`."""
-    from llmtrain.parallel.stages import EMBED, HEAD, pipeline_layers, stage_bounds
+    """What each stage runs, as the estimator describes it: `stage 0: embedding, blocks 0-4; ...`."""
+    from llmtrain.memory.pipeline import describe_span, stage_spans
 
-    layers = pipeline_layers(model)
-    bounds = stage_bounds(layers, PP, partition)
-    described = []
-    for stage in range(PP):
-        kinds = [layer.kind for layer in layers[bounds[stage] : bounds[stage + 1]]]
-        parts = [f"{kinds.count('block')} blocks"]
-        if EMBED in kinds:
-            parts.insert(0, "embedding")
-        if HEAD in kinds:
-            parts.append("output layer")
-        described.append(f"stage {stage}: {' + '.join(parts)}")
-    return ", ".join(described)
+    return "; ".join(
+        f"stage {span.index}: {describe_span(span)}" for span in stage_spans(model, PP, partition)
+    )
 
 
 def bubble_theory(m: int) -> float:
@@ -301,32 +291,17 @@ def worker(shape: Shape, result_path: Path) -> None:
 # ---------------------------------------------------------------- the parent side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_stages(shape: Shape, log_dir: Path) -> list[dict[str, Any]]:
     """Start one worker per stage, wait for both, and return their results, stage 0 first.
 
     A worker that fails ends the run at once (its peer would wait in a collective for the timeout).
     """
-    port = _free_port()
+    port = free_port()
     logs = [log_dir / f"rank{rank}.log" for rank in range(PP)]
     results = [log_dir / f"rank{rank}.json" for rank in range(PP)]
     procs = []
     for rank in range(PP):
-        env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(PP),
-            LOCAL_WORLD_SIZE=str(PP),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        env = rank_env(rank, PP, port)
         with open(logs[rank], "w") as log:  # the worker keeps its own copy of the descriptor
             procs.append(
                 subprocess.Popen(
