@@ -437,6 +437,12 @@ def rank_tokens(setup: Setup) -> int:
     return t.micro_batch * t.seq_len // setup.layout.sp
 
 
+def hidden_state_bytes(setup: Setup) -> int:
+    """One micro-batch's residual stream on one rank, in the model dtype: a block's input, the tensor a
+    pipeline stage receives and sends."""
+    return setup.lp_bytes * rank_tokens(setup) * setup.cfg.model.hidden_size
+
+
 def _layer_bytes(setup: Setup) -> int:
     t, lay = setup.cfg.train, setup.layout
     return layer_activation_bytes(
@@ -460,7 +466,7 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     b, tokens, doc_mask = setup.lp_bytes, rank_tokens(setup), setup.cfg.data.document_masking
     recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
     # A recomputed block keeps only its input (the residual stream).
-    residual = b * tokens * m.hidden_size
+    residual = hidden_state_bytes(setup)
     blocks = recomputed * residual + (span.blocks - recomputed) * _layer_bytes(setup)
     # RoPE's cos and sin ([B, T / sp, head_dim] each) and the boolean block-diagonal mask: the model
     # computes them once for all its blocks; a pipeline's blocks each compute their own from the
@@ -485,7 +491,7 @@ def pipeline_io_bytes(setup: Setup, span: StageSpan) -> int:
     if setup.layout.pp == 1:
         return 0
     t = setup.cfg.train
-    residual = setup.lp_bytes * rank_tokens(setup) * setup.cfg.model.hidden_size
+    residual = hidden_state_bytes(setup)
     hidden = residual * ((not span.embedding) + (not span.head))
     int64_tensors = 1 + setup.cfg.data.document_masking + span.head  # positions, doc ids, labels
     return hidden + 8 * t.micro_batch * t.seq_len * int64_tensors
@@ -743,7 +749,7 @@ def _pipeline_terms(setup: Setup) -> list[Term]:
     if lay.pp == 1 or not setup.shape_known:
         return []
     buffers = 1 if lay.pp == 2 else 2
-    size = setup.lp_bytes * rank_tokens(setup) * setup.cfg.model.hidden_size
+    size = hidden_state_bytes(setup)
     note = (
         "one micro-batch's received activation and gradient"
         if buffers == 2

@@ -9,12 +9,13 @@ Import-light on purpose, as the rest of llmtrain.memory: no torch, no DeepSpeed.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
-from llmtrain.config import ModelConfig
+from llmtrain.config import ModelConfig, PipeSchedule
 from llmtrain.parallel.stages import EMBED, HEAD, pipeline_layers, stage_bounds
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = typing.get_args(PipeSchedule)
 
 
 @dataclass(frozen=True)

@@ -116,13 +116,6 @@ def _balanced(layers: list[PipelineLayer], blocks: list[int], pp: int) -> list[i
     return bounds[::-1]
 
 
-def stage_parameters(model: ModelShape, pp: int, method: str) -> list[int]:
-    """Parameters each stage holds (a tied embedding on both the first and the last)."""
-    layers = pipeline_layers(model)
-    bounds = stage_bounds(layers, pp, method)
-    return [sum(layer.parameters for layer in layers[bounds[s] : bounds[s + 1]]) for s in range(pp)]
-
-
 def layer_prefix(index: int, num_blocks: int) -> str:
     """What turns a pipeline layer's parameter names into the one-process model's: layer 0 is the
     embedding (`embed_tokens.weight`), layers 1..L the blocks (`layers.{i}.`), then the final norm
