@@ -103,7 +103,7 @@ class Runner:
         self.vocab_size = cfg.model.vocab_size
         self.micro_batch = setup.micro_batch
         ds_config = dsconfig.build(cfg, world.world_size, world.accelerator)
-        self.engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
+        self.engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size).ds
         self.batches: dict[int, list[dict[str, Any]]] = {}
         self.steps = 0
 

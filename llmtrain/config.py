@@ -36,6 +36,7 @@ Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "full", "selective"]
 PipeSchedule = Literal["1f1b", "gpipe"]
 PipePartition = Literal["parameters", "blocks"]
+EngineName = Literal["deepspeed", "fsdp2"]
 
 
 @dataclass
@@ -103,6 +104,9 @@ class TrainSection:
     seq_len: int = _f(256, "tokens per training sequence")
     precision: Precision = _f("bf16", "bf16, fp16 (GPU only) or fp32")
     seed: int = _f(0, "seed for initialisation, data order and dropout-free sampling")
+    engine: EngineName = _f(
+        "deepspeed", "training engine: DeepSpeed (ZeRO 0-3, tp/sp/pp) or PyTorch FSDP2 (--zero 2 or 3)"
+    )
     activation_checkpointing: Checkpointing = _f("none", "recompute activations in backward")
     checkpoint_every_k: int = _f(2, "selective checkpointing: every k-th block")
     compile: bool = _f(False, "torch.compile each transformer block")
@@ -215,7 +219,8 @@ class TrainConfig:
     def choice(self, accelerator: str | None = None) -> rules.Choice:
         """This config's point of the layout space, for rules.check."""
         z, p = self.zero, self.parallel
-        return rules.Choice(z.stage, z.offload, self.train.precision, accelerator, p.tp, p.sp, p.pp)
+        t = self.train
+        return rules.Choice(z.stage, z.offload, t.precision, accelerator, p.tp, p.sp, p.pp, t.engine)
 
     @property
     def data_parallel(self) -> int:

@@ -10,6 +10,7 @@ FLAG_KEYS: dict[str, str] = {
     "--data": "data.source",
     "--tokenizer": "data.tokenizer",
     "--text-field": "data.text_field",
+    "--engine": "train.engine",
     "--zero": "zero.stage",
     "--offload": "zero.offload",
     "--nvme-path": "zero.nvme_path",

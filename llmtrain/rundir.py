@@ -71,10 +71,11 @@ def load_saved_config(run_dir: Path) -> TrainConfig:
     return load_run_config(path)
 
 
-def write_run_files(run_dir: Path, ds_config: dict[str, Any], world_size: int) -> None:
-    """Rank 0 only: ds_config.json and environment.json, each written atomically."""
+def write_run_files(run_dir: Path, ds_config: dict[str, Any] | None, world_size: int) -> None:
+    """Rank 0 only: ds_config.json (DeepSpeed runs) and environment.json, each written atomically."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / DS_CONFIG_FILE, json.dumps(ds_config, indent=2) + "\n")
+    if ds_config is not None:
+        write_atomic(run_dir / DS_CONFIG_FILE, json.dumps(ds_config, indent=2) + "\n")
     write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
 
 

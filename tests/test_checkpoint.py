@@ -102,10 +102,17 @@ def _draw() -> tuple[float, float, float]:
     return random.random(), float(np.random.rand()), float(torch.rand(1).item())
 
 
+def _wrapped(engine: Any) -> Any:
+    """The raw DeepSpeed engine behind llmtrain's engine interface, which the checkpoint package drives."""
+    from llmtrain.engine.ds_engine import DeepSpeedEngine
+
+    return DeepSpeedEngine(engine, torch.device("cpu"))
+
+
 def _save(engine: Any, root: Path, step: int, rank: int, ws: int, **kw: Any) -> ckpt.SaveResult:
     client = {"step": step, "tokens": step * 64, "sampler": {"epoch": 0, "index": step * 4 + rank}}
     return ckpt.save(
-        engine, root, step, client, rank, ws, keep=kw.get("keep"), keep_every=kw.get("keep_every")
+        _wrapped(engine), root, step, client, rank, ws, keep=kw.get("keep"), keep_every=kw.get("keep_every")
     )
 
 
@@ -125,7 +132,7 @@ def _round_trips(rank: int, ws: int, root: str) -> dict[str, Any]:
         next_loss = _train_step(a, 3, rank)
 
         b = _engine(stage, seed=2, precision=precision)
-        state = ckpt.load(b, where, result.tag)
+        state = ckpt.load(_wrapped(b), where, result.tag)
         ckpt.restore_rng(state.pop(ckpt.RNG_KEY))
         restored = _local_optimizer_state(b)
         out[name] = {
@@ -181,7 +188,7 @@ def _universal_load(rank: int, ws: int, root: str, stage: int, tag: str) -> dict
     universal = ckpt.convert_to_universal(where, tag)
     again = ckpt.convert_to_universal(where, tag)  # a second call reuses the first conversion
     engine = _engine(stage, seed=7, extra={"checkpoint": {"load_universal": True}})
-    state = ckpt.load(engine, where, universal.name)
+    state = ckpt.load(_wrapped(engine), where, universal.name)
     return {
         "weights": _full_fp32(engine),
         "client": state,

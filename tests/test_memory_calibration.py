@@ -150,12 +150,12 @@ def _measure_engines(
     # Before LAYOUT_CASES: their tp and sp groups stay in DeepSpeed's globals (the pipeline's are its own).
     for pipe_case in pipeline_cases:
         cfg = _pipeline_config(*pipe_case)
-        engine = build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu"), world)
+        engine = build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu"), world).ds
         stage_id = engine.stage_id
         measured[_key(pipe_case)] = (stage_id, _held_before_second_update(engine))
     for stage, offload, precision, tp, sp in layout_cases:
         cfg = _config(stage, offload, precision, tp, sp, world)
-        engine = build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu"), world)
+        engine = build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu"), world).ds
         # The ranks of a model-parallel group read the same batch (DeepSpeed checks it under tp).
         measured[_key((stage, offload, precision, tp, sp))] = _held_at_peak(engine, seed=0)
     return measured

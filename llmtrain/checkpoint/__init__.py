@@ -16,7 +16,7 @@
 Callers use this package as one module: `from llmtrain import checkpoint; checkpoint.save(...)`.
 """
 
-from llmtrain.checkpoint.commit import plan_prune, prune, save
+from llmtrain.checkpoint.commit import plan_prune, prune, save, write_deepspeed_files
 from llmtrain.checkpoint.common import (
     LATEST,
     MANIFEST,
@@ -40,7 +40,13 @@ from llmtrain.checkpoint.reading import (
     verify,
 )
 from llmtrain.checkpoint.rng import restore_rng, rng_state
-from llmtrain.checkpoint.safeload import load, read_client_state, scan_pickles, weights_only_loads
+from llmtrain.checkpoint.safeload import (
+    load,
+    load_deepspeed_files,
+    read_client_state,
+    scan_pickles,
+    weights_only_loads,
+)
 from llmtrain.checkpoint.universal import convert_to_universal, needs_universal
 
 __all__ = [
@@ -60,6 +66,7 @@ __all__ = [
     "convert_to_universal",
     "list_complete",
     "load",
+    "load_deepspeed_files",
     "needs_universal",
     "plan_prune",
     "prune",
@@ -73,4 +80,5 @@ __all__ = [
     "tag_for",
     "verify",
     "weights_only_loads",
+    "write_deepspeed_files",
 ]

@@ -90,17 +90,11 @@ def _prepare_staging(ckpt_root: Path, staging: Path) -> None:
 def _write_rank_files(
     engine: Any, ckpt_root: Path, tag: str, client_state: dict[str, Any], rank: int, world_size: int
 ) -> str | None:
-    """DeepSpeed's files and this rank's JSON state; the error text (naming rank and path) or None."""
+    """The engine's files and this rank's JSON state; the error text (naming rank and path) or None."""
     if RNG_KEY in client_state:
         return f"rank {rank}: client_state must not use the reserved key {RNG_KEY!r}"
     staging_root = ckpt_root / STAGING
-    errors: list[str] = []
-    written: list[Path] = []
-    try:
-        with _capture_io_errors(engine, errors, written):
-            engine.save_checkpoint(str(staging_root), tag=tag, client_state={}, save_latest=False)
-    except Exception as exc:  # a non-I/O failure inside DeepSpeed: report it, the others may hang
-        errors.append(f"{staging_root / tag}: {type(exc).__name__}: {exc}")
+    errors, written = engine.save(staging_root, tag)
     if errors:
         return f"rank {rank}: " + "; ".join(errors)
     state_path = staging_root / tag / STATE_FILE.format(rank=rank)
@@ -113,6 +107,18 @@ def _write_rank_files(
     except (OSError, TypeError, ValueError) as exc:
         return f"rank {rank}: {state_path}: {type(exc).__name__}: {exc}"
     return None
+
+
+def write_deepspeed_files(ds: Any, staging_root: Path, tag: str) -> tuple[list[str], list[Path]]:
+    """DeepSpeed's `save_checkpoint` into `staging_root/tag`: (errors naming their paths, files written)."""
+    errors: list[str] = []
+    written: list[Path] = []
+    try:
+        with _capture_io_errors(ds, errors, written):
+            ds.save_checkpoint(str(staging_root), tag=tag, client_state={}, save_latest=False)
+    except Exception as exc:  # a non-I/O failure inside DeepSpeed: report it, the others may hang
+        errors.append(f"{staging_root / tag}: {type(exc).__name__}: {exc}")
+    return errors, written
 
 
 @contextmanager
@@ -199,7 +205,7 @@ def _commit(
             "tag": tag,
             "step": step,
             "world_size": world_size,
-            "zero_stage": int(engine.zero_optimization_stage()),
+            **engine.checkpoint_facts(),  # engine, zero_stage
             "partitioned": any(rel.endswith("optim_states.pt") for rel in files),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": [{"path": rel, **files[rel]} for rel in sorted(files)],

@@ -57,6 +57,7 @@ class CheckpointInfo:
     zero_stage: int
     partitioned: bool  # optimizer state sharded per rank: a different world size needs conversion
     created: str
+    engine: str = "deepspeed"  # whose format: "deepspeed" files or "fsdp2" distributed checkpoints
 
 
 @dataclass(frozen=True)

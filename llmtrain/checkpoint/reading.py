@@ -64,6 +64,7 @@ def read_info(ckpt_dir: Path) -> CheckpointInfo | None:
             zero_stage=int(m["zero_stage"]),
             partitioned=bool(m["partitioned"]),
             created=str(m["created"]),
+            engine=str(m.get("engine", "deepspeed")),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -88,22 +88,27 @@ def weights_only_loads() -> Iterator[None]:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
 
 
-def load(engine: Any, ckpt_root: Path, tag: str, load_optimizer: bool = True) -> dict[str, Any]:
-    """Load model + optimizer into `engine`; return this rank's client state, RNG under `rng`.
-
-    For a universal tag (`step_N_universal`, from `convert_to_universal`) the engine's DS config must
-    carry `"checkpoint": {"load_universal": true}`. A rank beyond the saved world size gets rank 0's
-    client state and `rng` None (RNG streams are per rank; they do not map onto a new world size).
-    """
+def load(engine: Any, ckpt_root: Path, tag: str) -> dict[str, Any]:
+    """Load model + optimizer into `engine` (its `load`); return this rank's client state, RNG under
+    `rng`. A rank beyond the saved world size gets rank 0's client state and `rng` None (RNG streams
+    are per rank; they do not map onto a new world size)."""
     path = checkpoint_dir(ckpt_root, tag)
-    scan_pickles(path)
+    scan_pickles(path)  # whatever the engine's format: no .pt file may hold code
+    engine.load(ckpt_root, tag)
+    return read_client_state(path, dist.get_rank() if dist.is_initialized() else 0)
+
+
+def load_deepspeed_files(ds: Any, ckpt_root: Path, tag: str, load_optimizer: bool = True) -> None:
+    """DeepSpeed's `load_checkpoint`, pickle-scanned first and weights-only. For a universal tag
+    (`step_N_universal`, from `convert_to_universal`) the engine's DS config must carry
+    `"checkpoint": {"load_universal": true}`. `load` has scanned the pickles already."""
+    path = checkpoint_dir(ckpt_root, tag)
     with weights_only_loads():
-        loaded, _ = engine.load_checkpoint(
+        loaded, _ = ds.load_checkpoint(
             str(ckpt_root), tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=False
         )
     if loaded is None:
         raise CheckpointError(f"{path}: DeepSpeed found no model state to load (it would start from scratch)")
-    return read_client_state(path, dist.get_rank() if dist.is_initialized() else 0)
 
 
 def read_client_state(ckpt_dir: Path, rank: int) -> dict[str, Any]:

@@ -1,24 +1,30 @@
 """The DeepSpeed engine: the Llama model (activation checkpointing, compiled blocks) wrapped by
-`deepspeed.initialize` with the config dict from dsconfig and AdamW's weight-decay groups, and the one
-step-time quirk of DeepSpeed's stage-0 fp32 path (a bare torch optimizer) that the loop must work around."""
+`deepspeed.initialize` with the config dict from dsconfig and AdamW's weight-decay groups, behind
+llmtrain's engine interface (`base.Engine`), with the one step-time quirk of DeepSpeed's stage-0 fp32
+path (a bare torch optimizer) handled inside."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from llmtrain import checkpoint
 from llmtrain.config import TrainConfig
+from llmtrain.engine.base import Batch, Engine
 from llmtrain.model import build_model
 from llmtrain.parallel.layout import process_groups
 
 
 def build_engine(
     cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device, world_size: int = 1
-) -> Any:
+) -> DeepSpeedEngine:
     """The model built on `device`, wrapped by deepspeed.initialize with the optimizer's param groups
     and the process groups of the run's layout over `world_size` ranks.
 
@@ -38,7 +44,8 @@ def build_engine(
         model.compile_blocks()
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
-    return engine
+    plain = cfg.zero.stage == 0 and cfg.train.precision == "fp32"
+    return DeepSpeedEngine(engine, device, plain_optimizer=plain)
 
 
 def _build_pipeline_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device) -> Any:
@@ -52,7 +59,69 @@ def _build_pipeline_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: 
     groups = param_groups(pipeline.named_parameters(pipe), cfg.optim.weight_decay)
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
     pipeline.install_schedule(engine, cfg.parallel.pp_schedule)
-    return engine
+    return pipeline.PipelineEngine(engine, device)
+
+
+class DeepSpeedEngine(Engine):
+    """`ds` is DeepSpeed's engine. Gradient accumulation is DeepSpeed's own: `step()` after every
+    backward, a no-op until the accumulation boundary. A skipped update is a NaN gradient: DeepSpeed's
+    overflow check then drops it on every rank."""
+
+    def __init__(self, ds: Any, device: torch.device, plain_optimizer: bool = False) -> None:
+        self.ds, self.device = ds, device
+        self.optimizer = ds.optimizer
+        # Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own.
+        self.plain_optimizer = plain_optimizer
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.ds(**self.to_device(batch))
+
+    def backward(self, loss: Tensor, *, last: bool, skip: bool) -> None:
+        self.ds.backward(loss * float("nan") if skip else loss)
+        if not last:
+            self.ds.step()  # DeepSpeed counts micro-steps here; no update before the boundary
+
+    def update(self, *, skip: bool) -> float | None:
+        if not self.plain_optimizer:
+            self.ds.step()
+            return self._engine_grad_norm()
+        norm = self._plain_grad_norm()
+        with update_suppressed(self.optimizer, not math.isfinite(norm)):
+            self.ds.step()
+        return norm
+
+    def _plain_grad_norm(self) -> float:
+        """Stage 0 fp32: gradients are whole (all-reduced) on every rank, so every rank sees the same norm."""
+        grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+        return float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        )
+
+    def _engine_grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def eval_loss(self, batch: Batch) -> float:
+        self.ds.eval()
+        try:
+            return float(self.ds(**self.to_device(batch)))
+        finally:
+            self.ds.train()
+
+    def save(self, staging_root: Path, tag: str) -> tuple[list[str], list[Path]]:
+        return checkpoint.write_deepspeed_files(self.ds, staging_root, tag)
+
+    def load(self, ckpt_root: Path, tag: str) -> None:
+        checkpoint.load_deepspeed_files(self.ds, ckpt_root, tag)
+
+    def checkpoint_facts(self) -> dict[str, Any]:
+        return {"engine": "deepspeed", "zero_stage": int(self.ds.zero_optimization_stage())}
 
 
 def param_groups(

@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig, TrainConfig
+from llmtrain.engine.base import Batch, BeforeUpdate
+from llmtrain.engine.ds_engine import DeepSpeedEngine
 from llmtrain.engine.pipe_schedules import SCHEDULES, AgreeOnUpdate
 from llmtrain.model import (
     Block,
@@ -295,6 +297,28 @@ def _accumulated_gradients(engine: Any) -> Iterator[Tensor]:
             yield param.grad
 
 
+class PipelineEngine(DeepSpeedEngine):
+    """DeepSpeed's PipelineEngine behind the engine interface: a step is one `train_batch` (the
+    schedule runs every forward, backward and the update); the agreement runs inside it, as the
+    AgreeOnUpdate instruction. Its forward and backward are not callable on their own (DeepSpeed
+    refuses them in pipeline mode)."""
+
+    def run_step(
+        self, micro_batches: list[Batch], on_loss: Callable[[Tensor], Tensor], before_update: BeforeUpdate
+    ) -> float | None:
+        """The loss exists on the last stage only, so `on_loss` sees each rank's share of the step's sum."""
+        self.ds.before_update = lambda loss_sum, count: before_update(on_loss(loss_sum), count)
+        self.ds.train_batch(feed(micro_batches))
+        return self._engine_grad_norm()
+
+    def evaluate(self, batches: list[Batch]) -> float:
+        """Mean loss over `batches` (this data rank's), averaged over data-parallel ranks, on every rank
+        (0 for no batches, as without a pipeline)."""
+        if not batches:
+            return 0.0
+        return float(self.ds.eval_batch(feed(batches), num_micro_batches=len(batches)))
+
+
 def feed(micro_batches: list[dict[str, Tensor]]) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
     """The step's micro-batches as the pipeline engine reads them: (first stage's inputs, labels).
     The labels travel with the inputs (the output layer computes the loss); DeepSpeed's own copy for
@@ -302,12 +326,3 @@ def feed(micro_batches: list[dict[str, Tensor]]) -> Iterator[tuple[tuple[Tensor,
     for batch in micro_batches:
         doc_ids = (batch["doc_ids"],) if "doc_ids" in batch else ()
         yield (batch["input_ids"], batch["labels"], *doc_ids), batch["labels"]
-
-
-def evaluate(engine: Any, batches: list[dict[str, Tensor]]) -> float:
-    """Mean loss over `batches` (this data rank's), averaged over data-parallel ranks, on every rank
-    (0 for no batches, as without a pipeline)."""
-    if not batches:
-        return 0.0
-    loss = engine.eval_batch(feed(batches), num_micro_batches=len(batches))
-    return float(loss)

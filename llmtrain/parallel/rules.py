@@ -33,6 +33,7 @@ class Choice:
     tp: int = 1
     sp: int = 1
     pp: int = 1
+    engine: str = "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,33 @@ class Rule:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(
+        "zero.stage",
+        # FSDP2 always shards parameters, gradients and optimizer states together; it differs from
+        # ZeRO 3 only in whether a block's parameters are resharded after its forward.
+        lambda c: c.engine == "fsdp2" and c.stage < 2,
+        "ZeRO {stage} with --engine fsdp2: FSDP2 shards parameters, gradients and optimizer states "
+        "together; use --zero 3 (reshard after forward) or --zero 2 (keep parameters gathered until "
+        "backward), or --engine deepspeed for ZeRO 0 and 1",
+    ),
+    Rule(
+        "zero.offload",
+        lambda c: c.engine == "fsdp2" and c.offload == "nvme",
+        "NVMe offload with --engine fsdp2: FSDP2 offloads to CPU memory only; use --offload cpu, or "
+        "--engine deepspeed",
+    ),
+    Rule(
+        "train.precision",
+        # FSDP2's fp16 would need a sharded gradient scaler; bf16 needs none.
+        lambda c: c.engine == "fsdp2" and c.precision == "fp16",
+        "fp16 with --engine fsdp2: llmtrain runs FSDP2 in bf16 or fp32; use --precision bf16",
+    ),
+    Rule(
+        "train.engine",
+        lambda c: c.engine == "fsdp2" and (c.tp > 1 or c.sp > 1 or c.pp > 1),
+        "--engine fsdp2 with --tp/--sp/--pp: llmtrain's tensor, sequence and pipeline parallelism run on "
+        "DeepSpeed; use --engine deepspeed, or FSDP2 with data parallelism only",
+    ),
     Rule(
         "zero.offload",
         lambda c: c.stage == 0 and c.offload != "none",
@@ -116,11 +144,17 @@ def check(choice: Choice) -> None:
 
 
 def combinations(
-    precision: str, accelerator: str | None = None, tp: int = 1, sp: int = 1, pp: int = 1
+    precision: str,
+    accelerator: str | None = None,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    engine: str = "deepspeed",
 ) -> Iterator[Choice]:
-    """Every (stage, offload) that composes with `precision` and the tp/sp/pp degrees on `accelerator`."""
+    """Every (stage, offload) that composes with `precision`, the tp/sp/pp degrees and the engine on
+    `accelerator`."""
     for stage, offload in itertools.product(ZERO_STAGES, OFFLOADS):
-        choice = Choice(stage, offload, precision, accelerator, tp, sp, pp)
+        choice = Choice(stage, offload, precision, accelerator, tp, sp, pp, engine)
         if refusal(choice) is None:
             yield choice
 

@@ -1,4 +1,5 @@
-"""The training loop on DeepSpeed. `run()` is a list of build calls; `Trainer.train()` fits on one screen.
+"""The training loop. `run()` is a list of build calls; `Trainer.train()` fits on one screen. The loop
+drives an `engine.base.Engine` (DeepSpeed or FSDP2) and never branches on which.
 
 Every rank runs the same code. The few decisions that must agree across ranks (skip this update, save
 now, stop now) are taken from one small all-reduce per step, so no rank can go its own way and hang
@@ -24,7 +25,8 @@ from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
 from llmtrain.data.shards import PreparedData
-from llmtrain.engine import ds_engine, dsconfig, pipeline
+from llmtrain.engine import ds_engine, dsconfig, fsdp2
+from llmtrain.engine.base import Engine
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
@@ -107,13 +109,19 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     if choice is not None:
         check_resume(cfg.layout(world.world_size), choice.info.world_size)
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
-    ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
+    ds_config = None
+    if cfg.train.engine == "deepspeed":
+        ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
     if world.is_main:
         rundir.write_run_files(run_dir, ds_config, world.world_size)
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
         rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
-    engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
+    engine: Engine
+    if ds_config is None:
+        engine = fsdp2.build_engine(cfg, world.device, world.world_size, world.accelerator)
+    else:
+        engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
         # Saved at another world size: DeepSpeed's universal format re-partitions the states.
@@ -130,19 +138,18 @@ def _seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Any, prepared: PreparedData):
+    def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Engine, prepared: PreparedData):
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
         self.hooks = Hooks(faults.hooks_from_env(world.rank))  # fault injection when LLMTRAIN_FAULTS is set
         self.ckpt_root = rundir.checkpoint_root(run_dir)
         # The ranks of one tp or sp group, and the stages of one pipeline, read the same samples: the
         # loader sees data-parallel ranks.
         self.layout = cfg.layout(world.world_size)
-        self.pipelined = self.layout.pp > 1
         self.loader = TrainLoader(
             prepared,
             cfg.train.seq_len,
             cfg.train.micro_batch,
-            engine.train_batch_size(),
+            cfg.global_batch,
             rank=self.layout.data_rank(world.rank),
             world_size=self.layout.dp,
             seed=cfg.train.seed,
@@ -153,7 +160,7 @@ class Trainer:
         self.guard = StabilityGuard(cfg.stability)
         self.counters = Counters()
         self.total_steps = cfg.total_steps
-        self.tokens_per_step = engine.train_batch_size() * cfg.train.seq_len
+        self.tokens_per_step = cfg.tokens_per_step
         self.signal = StopSignal()
         self.last_save_time = time.monotonic()
         self.last_saved_step = -1
@@ -219,62 +226,24 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         lr = schedule.lr_for(self.cfg, self.counters.step)
-        self._set_lr(lr)
-        if self.pipelined:
-            agreed, grad_norm = self._pipeline_step(micro_batches)
-        else:
-            agreed, grad_norm = self._accumulation_step(micro_batches)
-        verdict = agreed.verdict
-        if not verdict.skip:
-            verdict = self._judge_after_update(agreed.loss, grad_norm)
-        self.hooks.after_step(self.counters.step)
-        return StepResult(agreed.loss, grad_norm, lr, verdict, agreed.save_due, agreed.stop)
-
-    def _accumulation_step(
-        self, micro_batches: list[dict[str, torch.Tensor]]
-    ) -> tuple[Agreement, float | None]:
-        """Forward and backward each micro-batch; the agreement comes before the last backward."""
-        *head, last = micro_batches
-        losses = []
-        for batch in head:
-            loss = self._forward(batch)
-            losses.append(loss.detach())
-            self.engine.backward(loss)
-            self.engine.step()
-        loss = self._forward(last)
-        losses.append(loss.detach())
-        agreed = self._agreement(torch.stack(losses).double().sum(), len(losses))
-        # A NaN gradient makes DeepSpeed's overflow path drop this update on every rank.
-        self.engine.backward(loss * float("nan") if agreed.verdict.skip else loss)
-        plain_norm = self._plain_grad_norm()
-        bad_plain_grads = plain_norm is not None and not math.isfinite(plain_norm)
-        with ds_engine.update_suppressed(self.engine.optimizer, bad_plain_grads):
-            self.engine.step()
-        return agreed, plain_norm if self._plain_optimizer() else self._engine_grad_norm()
-
-    def _pipeline_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[Agreement, float | None]:
-        """The pipeline engine runs the whole step (its schedule); the agreement happens inside it,
-        after the last forward and backward and before any gradient is reduced (pipeline.agree_on_update).
-        The loss exists on the last stage only, so the fault hook sees each rank's share of it."""
+        self.engine.set_lr(lr)
         agreed: list[Agreement] = []
 
         def before_update(loss_sum: torch.Tensor, count: int) -> bool:
-            agreed.append(self._agreement(self.hooks.on_forward(loss_sum, self.counters.step), count))
+            agreed.append(self._agreement(loss_sum, count))
             return agreed[0].verdict.skip
 
-        self.engine.before_update = before_update
-        self.engine.train_batch(pipeline.feed(micro_batches))
-        return agreed[0], self._engine_grad_norm()
+        grad_norm = self.engine.run_step(micro_batches, self._on_loss, before_update)
+        verdict = agreed[0].verdict
+        if not verdict.skip:
+            verdict = self._judge_after_update(agreed[0].loss, grad_norm)
+        self.hooks.after_step(self.counters.step)
+        return StepResult(agreed[0].loss, grad_norm, lr, verdict, agreed[0].save_due, agreed[0].stop)
 
     # ------------------------------------------------------------ step helpers
 
-    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.engine(**{k: v.to(self.world.device, non_blocking=True) for k, v in batch.items()})
+    def _on_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.hooks.on_forward(loss, self.counters.step)
-
-    def _set_lr(self, lr: float) -> None:
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
 
     def _agreement(self, loss_sum: torch.Tensor, count: int) -> Agreement:
         """The step's agreed loss, flags and the guard's verdict on the loss (before the update)."""
@@ -304,31 +273,12 @@ class Trainer:
         step_due = every is not None and (self.counters.step + 1) % every == 0
         return total / count, step_due or save > 0, stop > 0
 
-    def _plain_optimizer(self) -> bool:
-        """Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own."""
-        return self.cfg.zero.stage == 0 and self.cfg.train.precision == "fp32"
-
-    def _plain_grad_norm(self) -> float | None:
-        """Stage 0 fp32: gradients are whole (all-reduced) on every rank, so every rank sees the same norm."""
-        if not self._plain_optimizer():
-            return None
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        )
-
-    def _engine_grad_norm(self) -> float | None:
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return None
-        return float(norm.item() if torch.is_tensor(norm) else norm)
-
     def _judge_after_update(self, loss: float, grad_norm: float | None) -> Verdict:
         verdict = self.guard.judge(loss, grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
-            return verdict  # DeepSpeed (or the stage-0 path above) already dropped this update
+            return verdict  # the engine already dropped this update
         if verdict.skip:
-            # A finite grad-norm spike is known only once DeepSpeed has computed the norm inside step():
+            # A finite grad-norm spike is known only once the engine has computed the norm inside its update:
             # the update is applied and the spike is reported, never silently ignored.
             return Verdict(skip=False, reason=f"{verdict.reason}; update already applied", spike=True)
         return verdict
@@ -358,17 +308,8 @@ class Trainer:
             assert self.metrics is not None
             self.metrics.log_eval(self.counters.step, self.evaluate())
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        if self.pipelined:
-            return pipeline.evaluate(self.engine, self.val)
-        self.engine.eval()
-        total = 0.0
-        for batch in self.val:
-            total += float(self.engine(**{k: v.to(self.world.device) for k, v in batch.items()}))
-        self.engine.train()
-        summed, count = distributed.all_reduce_sum([total, float(len(self.val))], self.world.device)
-        return summed / max(count, 1.0)
+        return self.engine.evaluate(self.val)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -1,0 +1,131 @@
+"""FSDP2's checkpoint format: PyTorch distributed checkpoints (torch.distributed.checkpoint, DCP).
+
+Every rank writes its shards of the model and optimizer states into the staging dir
+(`__<rank>_0.distcp`), the coordinator writes `.metadata`; loading reshards by itself, so a run saved
+on N processes loads on M with no conversion. llmtrain's commit protocol wraps it like DeepSpeed's
+files. Loading runs no pickled code: DCP's `.metadata` is a plain pickle, read here with an unpickler
+that admits only DCP's metadata records; its byte items (the optimizer's hyper-parameters) and tensors
+load weights-only.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.checkpoint.common import CheckpointError
+from llmtrain.checkpoint.safeload import weights_only_loads
+
+METADATA = ".metadata"
+
+# What DCP 2.13's `.metadata` pickle names (found by saving FSDP2 models and their AdamW states and
+# listing the pickle's globals): its own metadata records, torch.Size, a dtype, a layout by name, and
+# the checkpoint id as a path. Each is inert data.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if module == "torch" else None
+        if (module, name) in _METADATA_GLOBALS or isinstance(found, torch.dtype):
+            return found if found is not None else super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _reader(path: Path) -> Any:
+    """A FileSystemReader whose metadata comes through the allow-listed unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata_path = Path(self.path) / METADATA
+            try:
+                metadata = _MetadataUnpickler(io.BytesIO(metadata_path.read_bytes())).load()
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(
+                    f"{metadata_path}: refusing to load, it holds objects DCP metadata does not: {exc}"
+                ) from None
+            except (OSError, EOFError, ValueError) as exc:
+                raise CheckpointError(f"{metadata_path}: unreadable ({type(exc).__name__}: {exc})") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def write(state: dict[str, Any], directory: Path) -> tuple[list[str], list[Path]]:
+    """Save `state` (every rank's shards) into `directory`, a collective: (errors, files written).
+
+    DCP gathers every rank's write result and raises the same error on all of them, so catching it
+    here keeps the ranks on one sequence of collectives. Its writer fsyncs each file it writes."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+    except Exception as exc:
+        return [f"{directory}: {type(exc).__name__}: {_first_line(exc)}"], []
+    return [], []  # fsynced by DCP's writer already
+
+
+def read(state: dict[str, Any], directory: Path) -> None:
+    """Load a checkpoint into `state` in place (resharded to the tensors' layout), a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (directory / METADATA).is_file():
+        raise CheckpointError(f"{directory}: no {METADATA}; not a distributed (FSDP2) checkpoint")
+    with weights_only_loads():
+        dcp.load(state, storage_reader=_reader(directory))
+
+
+def is_dcp_checkpoint(directory: Path) -> bool:
+    return (directory / METADATA).is_file()
+
+
+def full_tensors(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor saved under `prefix` (e.g. "model."), whole, in this one process (no process
+    group): for export, generate and eval. Names lose the prefix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _reader(directory)
+    metadata = reader.read_metadata()
+    flat = {
+        name: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in metadata.state_dict_metadata.items()
+        if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not flat:
+        raise CheckpointError(f"{directory}: the distributed checkpoint holds no tensors under {prefix!r}")
+    with weights_only_loads():
+        dcp.load(flat, storage_reader=_reader(directory), no_dist=True)
+    return {name.removeprefix(prefix): tensor for name, tensor in flat.items()}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,139 @@
+"""The FSDP2 engine: the same Llama, `fully_shard` per block and then on the root, with torch's AdamW.
+
+How the flags map:
+- `--zero 3`: parameters resharded after each block's forward (gathered again for backward);
+  `--zero 2`: kept gathered from forward to backward (more memory, one all-gather fewer per block).
+  FSDP2 always shards gradients and optimizer states with the parameters: ZeRO 0 and 1, and NVMe
+  offload, are refused (parallel.rules), as are fp16 and tp/sp/pp.
+- `--precision bf16`: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): compute in bf16,
+  gradients reduced and accumulated in fp32, the sharded fp32 parameters are the masters. fp32: none.
+- `--offload cpu`: CPUOffloadPolicy (sharded parameters, gradients and the optimizer step on the CPU).
+- Gradient accumulation: gradient sync off for all but the last micro-batch, so there is one
+  reduce-scatter per step; the loss is divided by the micro-batches per step, as DeepSpeed does.
+- Activation checkpointing and `--compile` per block, as on DeepSpeed (model.py's own switches).
+Checkpoints are torch.distributed.checkpoint (checkpoint/dcp.py): a different process count on
+resume is resharded by DCP itself.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llmtrain.checkpoint import dcp
+from llmtrain.checkpoint.reading import checkpoint_dir
+from llmtrain.config import TrainConfig
+from llmtrain.engine.base import Batch, Engine
+from llmtrain.engine.ds_engine import param_groups
+from llmtrain.model import Llama, build_model
+from llmtrain.parallel.rules import batch_triple
+
+
+def build_engine(cfg: TrainConfig, device: torch.device, world_size: int, accelerator: str) -> FSDP2Engine:
+    """Every rank builds the whole model from the same seed, then fully_shard keeps its shards (so a
+    run starts from exactly the weights of a one-process run), and AdamW gets the same weight-decay
+    groups as on DeepSpeed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
+    if cfg.train.compile:
+        model.compile_blocks()
+    mesh = init_device_mesh(accelerator, (world_size,))
+    precision = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.train.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    offload = (
+        CPUOffloadPolicy(pin_memory=accelerator == "cuda") if cfg.zero.offload == "cpu" else OffloadPolicy()
+    )
+    shard: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": cfg.zero.stage == 3,
+        "mp_policy": precision,
+        "offload_policy": offload,
+    }
+    for block in model.layers:
+        fully_shard(block, **shard)
+    fully_shard(model, **shard)  # the embedding, final norm and output layer: one unit
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        param_groups(model.named_parameters(), o.weight_decay),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=False,  # the per-parameter loop of DeepSpeed's torch AdamW: the same arithmetic
+    )
+    _, _, accumulation = batch_triple(cfg.train.micro_batch, cfg.train.global_batch, cfg.data_parallel)
+    return FSDP2Engine(model, optimizer, device, accumulation, cfg.optim.grad_clip, cfg.zero.stage)
+
+
+class FSDP2Engine(Engine):
+    def __init__(
+        self,
+        model: Llama,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        accumulation: int,
+        grad_clip: float,
+        zero_stage: int,
+    ) -> None:
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.module = model
+        self.accumulation, self.grad_clip, self.zero_stage = accumulation, grad_clip, zero_stage
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.model(**self.to_device(batch))
+
+    def backward(self, loss: Tensor, *, last: bool, skip: bool) -> None:
+        # One reduce-scatter per step: earlier micro-batches accumulate unsharded gradients locally.
+        # A skipped step still reduces (every rank runs the same collectives); update() drops it.
+        self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        (loss / self.accumulation).backward()
+
+    def update(self, *, skip: bool) -> float | None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        total = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not skip and math.isfinite(total):  # a non-finite norm drops the update, as DeepSpeed does
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        try:
+            return float(self.model(**self.to_device(batch)))
+        finally:
+            self.model.train()
+
+    # ------------------------------------------------ checkpoints
+
+    def _state(self) -> dict[str, Any]:
+        """The model's and optimizer's sharded state dicts (DTensors), by parameter names."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def save(self, staging_root: Path, tag: str) -> tuple[list[str], list[Path]]:
+        return dcp.write(self._state(), staging_root / tag)
+
+    def load(self, ckpt_root: Path, tag: str) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()  # the layout to load into: this run's shards
+        dcp.read(state, checkpoint_dir(ckpt_root, tag))
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+    def checkpoint_facts(self) -> dict[str, Any]:
+        return {"engine": "fsdp2", "zero_stage": self.zero_stage}
