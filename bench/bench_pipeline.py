@@ -3,7 +3,7 @@ activation memory at m micro-batches per step, in one run.
 
 `python -m bench pipeline` (defaults) or `python -m bench.bench_pipeline [--preset ...]` (flags below).
 One process per pipeline stage (gloo, CPU), each building, for every (schedule, m) setup, the engine
-`llmtrain train --pp 2 --pp-schedule S` builds (`ds_engine.build_engine`: LlamaPipeline in DeepSpeed's
+`llmtrain train --pp 2 --pp-schedule S` builds (`pipeline.build_engine`: LlamaPipeline in DeepSpeed's
 PipelineEngine, `pipeline.install_schedule`), stepped as the trainer steps it
 (`engine.train_batch(pipeline.feed(micro_batches))`, with `engine.before_update` doing the one
 all-reduce of the step's loss and returning "do not skip"). Every setup shares one shape and the same
@@ -204,13 +204,13 @@ class Runner:
     """One setup's engine on this stage, as `llmtrain train --pp` builds it, its instructions timed."""
 
     def __init__(self, shape: Shape, schedule: str, m: int, world: Any) -> None:
-        from llmtrain.engine import ds_engine, dsconfig
+        from llmtrain.engine import dsconfig, pipeline
 
         cfg = _config(shape, schedule, m)
         self.schedule, self.m = schedule, m
         self.device = world.device
         ds_config = dsconfig.build(cfg, world.world_size, world.accelerator)
-        self.engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size).ds
+        self.engine = pipeline.build_engine(cfg, ds_config, world.device).ds
         assert self.engine.micro_batches == m, (self.engine.micro_batches, m)
         self.stage = int(self.engine.stage_id)
         self.totals: dict[str, float] = defaultdict(float)

@@ -46,6 +46,7 @@ class CheckpointRow:
     world_size: int
     zero_stage: int
     created: str
+    engine: str
 
 
 def is_run_dir(path: Path) -> bool:
@@ -126,6 +127,7 @@ def list_checkpoints(run_dir: Path, verify: bool = True) -> list[CheckpointRow]:
                 world_size=info.world_size,
                 zero_stage=info.zero_stage,
                 created=info.created,
+                engine=info.engine,
             )
         )
     return rows
@@ -199,6 +201,12 @@ def _runs_table(runs: list[dict[str, Any]], root: str | None) -> Any:
     return table
 
 
+def _zero_and_world(row: dict[str, Any]) -> str:
+    """`2 / 4` on DeepSpeed; FSDP2's checkpoints name their engine (`fsdp2 3 / 2`)."""
+    engine = "" if row["engine"] == "deepspeed" else f"{row['engine']} "
+    return f"{engine}{row['zero_stage']} / {row['world_size']}"
+
+
 def _checkpoints_table(rows: list[dict[str, Any]], path: str) -> Any:
     from rich.table import Table
 
@@ -215,7 +223,7 @@ def _checkpoints_table(rows: list[dict[str, Any]], path: str) -> Any:
             str(row["step"]),
             units.human(row["size_bytes"], units.SHORT, decimals=1),
             verified,
-            f"{row['zero_stage']} / {row['world_size']}",
+            _zero_and_world(row),
             _when(row["created"]),
         )
     if not rows:

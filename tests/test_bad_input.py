@@ -136,6 +136,20 @@ CASES: dict[str, Case] = {
         f"{T} --gpus 3 --pp 2", "--pp: tp 1 x sp 1 x pp 2 = 2 does not divide the world size 3", RUN
     ),
     "pp-schedule": Case(f"{T} --gpus 2 --pp 2 --pp-schedule zigzag", "--pp-schedule", RUN),
+    # ---- train: what FSDP2 does not map, refused before any process starts
+    "engine-unknown": Case(f"{T} --engine megatron", "--engine: train.engine must be deepspeed | fsdp2", RUN),
+    "fsdp2-zero1": Case(f"{T} --engine fsdp2 --zero 1", "--zero: ZeRO 1 with --engine fsdp2", RUN),
+    "fsdp2-nvme": Case(
+        f"{T} --engine fsdp2 --zero 3 --offload nvme --nvme-path {{w}}",
+        "--offload: NVMe offload with --engine fsdp2",
+        RUN,
+    ),
+    "fsdp2-fp16": Case(
+        f"{T} --engine fsdp2 --zero 3 --precision fp16", "--precision: fp16 with --engine fsdp2", RUN
+    ),
+    "fsdp2-with-tp": Case(
+        f"{T} --gpus 2 --engine fsdp2 --zero 3 --tp 2", "--engine: --engine fsdp2 with --tp/--sp/--pp", RUN
+    ),
     "heads-do-not-divide": Case(
         f"{T} --set model.num_attention_heads=3", "3 heads do not divide hidden_size", RUN
     ),
@@ -320,8 +334,9 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
 def test_data_rejected_inside_the_worker_leaves_no_run_dir_and_no_dataset(
-    tmp_path: Path, workdir: Path
+    tmp_path: Path, workdir: Path, engine: str
 ) -> None:
     run_dir = tmp_path / "run"
     out = _llmtrain(
@@ -331,6 +346,10 @@ def test_data_rejected_inside_the_worker_leaves_no_run_dir_and_no_dataset(
             "debug",
             "--steps",
             "2",
+            "--engine",
+            engine,
+            "--zero",
+            "3",
             "--run-dir",
             str(run_dir),
             "--data",

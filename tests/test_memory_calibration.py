@@ -43,7 +43,7 @@ LAYOUT_CASES = [
     (2, "none", "bf16", 2, 1),
 ]
 # (stage, offload, precision, pp, tied embeddings): DeepSpeed's PipelineEngine (ZeRO 1 only), one stage
-# per rank, built by ds_engine.build_engine between ENGINE_CASES and LAYOUT_CASES. bf16 runs
+# per rank, built by pipeline.build_engine between ENGINE_CASES and LAYOUT_CASES. bf16 runs
 # BF16_Optimizer, fp32 DeepSpeedZeroOptimizer; tied, the last stage holds a copy of the embedding.
 PIPELINE_CASES = [
     (1, "none", "bf16", 2, False),
@@ -135,7 +135,7 @@ def _measure_engines(
 ) -> dict[str, Any]:
     import deepspeed
 
-    from llmtrain.engine import dsconfig
+    from llmtrain.engine import dsconfig, pipeline
     from llmtrain.engine.ds_engine import build_engine
     from llmtrain.model import build_model
 
@@ -150,7 +150,7 @@ def _measure_engines(
     # Before LAYOUT_CASES: their tp and sp groups stay in DeepSpeed's globals (the pipeline's are its own).
     for pipe_case in pipeline_cases:
         cfg = _pipeline_config(*pipe_case)
-        engine = build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu"), world).ds
+        engine = pipeline.build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu")).ds
         stage_id = engine.stage_id
         measured[_key(pipe_case)] = (stage_id, _held_before_second_update(engine))
     for stage, offload, precision, tp, sp in layout_cases:

@@ -10,6 +10,8 @@ compared with ==). World size 2 goes through `--gpus 2`, i.e. DeepSpeed's launch
   bf16, 2 processes, ZeRO 2 SIGKILL of the whole process tree at seeded random moments, one inside a
                             checkpoint write -> `train --resume auto` after each
   2 -> 1 processes          universal conversion; same global samples, continuous loss
+  FSDP2, fp32, 2 processes  SIGTERM -> `resume`; SIGKILL after a checkpoint -> `resume`; 2 -> 1
+  FSDP2, fp32, 1 process    1 -> 2 (DCP reshards: no conversion)
   corrupt / unsafe checkpoints and bad input: one line `error: ...`, exit 2
 
 Every CLI call has a timeout and runs in its own session, so a hang kills its whole tree and fails.
@@ -55,10 +57,12 @@ class Setup:
     save_every: int
     port: int = 0
     faults: str = ""  # in every run of the configuration, reference included
+    engine: str = "deepspeed"
 
     def flags(self, run_dir: Path) -> list[str]:
         # Global batch 4: 1 process accumulates 2 micro-batches of 2, 2 processes take one each.
         flags = ["--preset", "debug", "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32"]
+        flags += ["--engine", self.engine]
         flags += ["--log-every", "1", "--steps", str(self.steps), "--save-every", str(self.save_every)]
         flags += ["--zero", str(self.zero), "--precision", self.precision, "--run-dir", str(run_dir)]
         if self.gpus > 1:
@@ -73,6 +77,9 @@ BF16_1 = Setup("bf16_ws1", "bf16", zero=1, gpus=1, steps=10, save_every=5)
 # Two processes step fast: more steps leave room to land a signal or a kill mid-run.
 FP32_2 = Setup("fp32_ws2", "fp32", zero=2, gpus=2, steps=20, save_every=10)
 BF16_2 = Setup("bf16_ws2", "bf16", zero=2, gpus=2, steps=12, save_every=2)
+# FSDP2: the same engine-generic scenarios (signals, kills, another process count, both directions).
+FSDP2_2 = Setup("fsdp2_fp32_ws2", "fp32", zero=3, gpus=2, steps=16, save_every=4, engine="fsdp2")
+FSDP2_1 = Setup("fsdp2_fp32_ws1", "fp32", zero=3, gpus=1, steps=8, save_every=4, engine="fsdp2")
 
 
 # ---------------------------------------------------------------- running the CLI
@@ -240,6 +247,13 @@ def assert_same_final_state(reference: Path, run_dir: Path, step: int) -> None:
     assert files == sorted(
         p.name for p in got_dir.iterdir() if p.suffix in (".pt", ".json") and p.name != "manifest.json"
     )
+    if (ref_dir / ".metadata").is_file():  # FSDP2: a distributed checkpoint, read whole
+        from llmtrain.checkpoint import dcp
+
+        ref_t, got_t = dcp.full_tensors(ref_dir, prefix=""), dcp.full_tensors(got_dir, prefix="")
+        assert sorted(got_t) == sorted(ref_t) and len(ref_t) > 0, f"{tag}: different tensors"
+        differ = [k for k in ref_t if not torch.equal(got_t[k], ref_t[k])]
+        assert not differ, f"{tag}: tensors differ from the uninterrupted run: {differ[:5]}"
     for name in files:
         if name.endswith(".json"):
             ref_state, got_state = (json.loads((d / name).read_text()) for d in (ref_dir, got_dir))
@@ -323,6 +337,16 @@ def ref_bf16_2(root: Path) -> Path:
     return _reference(root, BF16_2)
 
 
+@pytest.fixture(scope="module")
+def ref_fsdp2_2(root: Path) -> Path:
+    return _reference(root, FSDP2_2)
+
+
+@pytest.fixture(scope="module")
+def ref_fsdp2_1(root: Path) -> Path:
+    return _reference(root, FSDP2_1)
+
+
 # ---------------------------------------------------------------- 1. a crash: exit fault, then resume
 
 
@@ -381,20 +405,30 @@ def preempted_fp32_2(root: Path) -> Preempted:
     return _preempt(root, FP32_2, lambda run_dir: ["resume", run_dir])
 
 
-@pytest.mark.parametrize("name", ["preempted_bf16_1", "preempted_fp32_2"])
-def test_sigterm_finishes_the_step_saves_and_exits_0(name: str, request: pytest.FixtureRequest) -> None:
+@pytest.fixture(scope="module")
+def preempted_fsdp2_2(root: Path) -> Preempted:
+    return _preempt(root, FSDP2_2, lambda run_dir: ["resume", run_dir])
+
+
+PREEMPTED = [
+    ("preempted_bf16_1", "ref_bf16_1", BF16_1),
+    ("preempted_fp32_2", "ref_fp32_2", FP32_2),
+    ("preempted_fsdp2_2", "ref_fsdp2_2", FSDP2_2),
+]
+PREEMPTED_IDS = ["bf16_one_process", "fp32_two_processes", "fsdp2_two_processes"]
+
+
+@pytest.mark.parametrize("name, ref_name, setup", PREEMPTED, ids=PREEMPTED_IDS)
+def test_sigterm_finishes_the_step_saves_and_exits_0(
+    request: pytest.FixtureRequest, name: str, ref_name: str, setup: Setup
+) -> None:
     run: Preempted = request.getfixturevalue(name)
     assert run.stop_rc == 0, run.first_run.tail()
-    steps = BF16_1.steps if name.endswith("_1") else FP32_2.steps
-    assert 2 <= run.stopped_at < steps, f"stopped at {run.stopped_at}: the signal came too late"
+    assert 2 <= run.stopped_at < setup.steps, f"stopped at {run.stopped_at}: the signal came too late"
     assert run.latest_after_stop == f"step_{run.stopped_at:08d}", "latest must name the step it stopped at"
 
 
-@pytest.mark.parametrize(
-    "name, ref_name, setup",
-    [("preempted_bf16_1", "ref_bf16_1", BF16_1), ("preempted_fp32_2", "ref_fp32_2", FP32_2)],
-    ids=["bf16_one_process", "fp32_two_processes"],
-)
+@pytest.mark.parametrize("name, ref_name, setup", PREEMPTED, ids=PREEMPTED_IDS)
 def test_sigterm_resume_is_bitwise_exact(
     request: pytest.FixtureRequest, name: str, ref_name: str, setup: Setup
 ) -> None:
@@ -502,32 +536,62 @@ def test_sigkill_at_random_moments_then_resume_ends_bitwise_exact(
     assert not leftovers, "a later successful run must clear leftovers of a killed save"
 
 
+def test_sigkill_under_fsdp2_then_resume_is_bitwise_exact(root: Path, ref_fsdp2_2: Path) -> None:
+    setup = replace(FSDP2_2, port=free_port())
+    run_dir = root / "killed_fsdp2_ws2"
+    cli = Cli(["train", *setup.flags(run_dir)], root / "killed_fsdp2.log")
+
+    def past_a_checkpoint() -> bool:
+        saved = (run_dir / "checkpoints" / "latest").exists()
+        return saved and last_step(run_dir) >= step_of(latest(run_dir)) + 2
+
+    killed = _kill_when(cli, run_dir, "two steps past a checkpoint", past_a_checkpoint, 0.0)
+    assert killed.latest and killed.step_logged < setup.steps, killed
+    run_cli(["resume", run_dir], root / "killed_fsdp2_resume.log")
+    assert_bitwise(ref_fsdp2_2, run_dir, range(1, setup.steps + 1))
+    assert_same_final_state(ref_fsdp2_2, run_dir, setup.steps)
+
+
 # ---------------------------------------------------------------- 5. a different number of processes
 
 
-@pytest.mark.parametrize(
-    "ref_name, setup, from_step", [("ref_bf16_2", BF16_2, 8), ("ref_fp32_2", FP32_2, 10)]
-)
-def test_saved_on_two_processes_resumed_on_one(
-    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup, from_step: int
-) -> None:
-    reference: Path = request.getfixturevalue(ref_name)
-    run_dir = copy_run(reference, root / f"two_to_one_{setup.name}", keep_up_to=from_step)
-    run_cli(["resume", run_dir, "--gpus", "1"], root / f"two_to_one_{setup.name}.log")
-
-    assert (run_dir / "checkpoints" / f"step_{from_step:08d}_universal").is_dir(), "no universal conversion"
+def _assert_continued(reference: Path, run_dir: Path, setup: Setup, from_step: int, rel: float) -> None:
+    """The run went on from the same global sample, at the same LR, with the uninterrupted run's losses
+    (same samples in another reduction order: equal to rounding; a replayed or skipped batch differs by
+    far more, as losses of neighbouring batches differ by ~1e-2 here)."""
     final = f"step_{setup.steps:08d}"
-    # The data stream went on from the same global sample: the loaders end at the same position.
     assert loader_state(run_dir, final) == loader_state(reference, final)
     ref, got = metrics(reference), metrics(run_dir)
     assert sorted(got) == sorted(ref)
     for step in range(from_step + 1, setup.steps + 1):
         assert got[step]["lr"] == ref[step]["lr"]
-        # Same samples, other accumulation order: equal to rounding. A replayed or skipped batch differs
-        # by far more (losses of neighbouring batches differ by ~1e-2 here).
-        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-4), f"step {step}"
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=rel), f"step {step}"
     first = got[from_step + 1]["loss"]
     assert abs(first - got[from_step]["loss"]) <= 0.05 * got[from_step]["loss"], "loss jumped at the resume"
+
+
+@pytest.mark.parametrize(
+    "ref_name, setup, from_step, rel",
+    [("ref_bf16_2", BF16_2, 8, 1e-4), ("ref_fp32_2", FP32_2, 10, 1e-4), ("ref_fsdp2_2", FSDP2_2, 8, 1e-5)],
+    ids=["deepspeed_bf16", "deepspeed_fp32", "fsdp2_fp32"],
+)
+def test_saved_on_two_processes_resumed_on_one(
+    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup, from_step: int, rel: float
+) -> None:
+    reference: Path = request.getfixturevalue(ref_name)
+    run_dir = copy_run(reference, root / f"two_to_one_{setup.name}", keep_up_to=from_step)
+    run_cli(["resume", run_dir, "--gpus", "1"], root / f"two_to_one_{setup.name}.log")
+    # DeepSpeed's ZeRO shards go through the universal format; FSDP2's DCP reshards by itself.
+    converted = (run_dir / "checkpoints" / f"step_{from_step:08d}_universal").is_dir()
+    assert converted == (setup.engine == "deepspeed")
+    _assert_continued(reference, run_dir, setup, from_step, rel)
+
+
+def test_fsdp2_saved_on_one_process_resumed_on_two(root: Path, ref_fsdp2_1: Path) -> None:
+    run_dir = copy_run(ref_fsdp2_1, root / "one_to_two_fsdp2", keep_up_to=4)
+    run_cli(["resume", run_dir, "--gpus", "2", "--master-port", free_port()], root / "one_to_two_fsdp2.log")
+    assert not list((run_dir / "checkpoints").glob("*_universal")), "DCP needs no conversion"
+    _assert_continued(ref_fsdp2_1, run_dir, FSDP2_1, 4, 1e-5)
 
 
 # ---------------------------------------------------------------- 6. damaged and unsafe checkpoints
@@ -583,6 +647,24 @@ def test_checkpoint_holding_code_is_refused_and_never_runs(root: Path, ref_fp32_
 
     line = one_error_line(run_quick(["resume", run_dir]))
     assert str(target) in line and "system" in line, line
+    assert not marker.exists(), "the pickled payload ran"
+
+
+def test_fsdp2_checkpoint_metadata_holding_code_is_refused_and_never_runs(
+    root: Path, ref_fsdp2_1: Path
+) -> None:
+    """DCP reads its `.metadata` with a plain pickle.load: llmtrain's reader admits DCP's records only."""
+    import pickle
+
+    run_dir = copy_run(ref_fsdp2_1, root / "pickled_fsdp2")
+    marker = root / "fsdp2_payload_ran"
+    tag_dir = run_dir / "checkpoints" / f"step_{FSDP2_1.steps:08d}"
+    target = tag_dir / ".metadata"
+    target.write_bytes(pickle.dumps(Payload(marker)))
+    rewrite_manifest_entry(tag_dir, target.name)
+
+    line = one_error_line(run_quick(["resume", run_dir]))
+    assert str(target) in line and "posix.system" in line, line
     assert not marker.exists(), "the pickled payload ran"
 
 

@@ -1,12 +1,15 @@
-"""The trainer on real DeepSpeed, world size 2 on CPU (gloo), through `trainer.build_trainer`.
+"""The trainer on both engines (DeepSpeed and FSDP2), world size 2 on CPU (gloo), through
+`trainer.build_trainer`.
 
 All scenarios run in one `run_distributed` launch of 2 fresh processes (imports cost ~20 s per launch on
 2 cores); inside it every scenario builds a fresh engine and trains in its own run directory:
-- `_trajectories`: ZeRO 0, 1, 2, 3 in fp32, and gradient accumulation (4 x micro-batch 2 against
-  micro-batch 8, same global batch), each logging every step;
-- `_offload`: ZeRO 2 / 3 with CPU offload and ZeRO 3 with NVMe offload, at a higher LR;
-- `_nan_skips`: a NaN loss injected on rank 1 (LLMTRAIN_FAULTS) for several stages and precisions,
-  with the fp32 master weights and optimizer state snapshotted around the poisoned step.
+- `_trajectories`: ZeRO 0, 1, 2, 3 and FSDP2 (--zero 2, 3, with activation checkpointing) in fp32, and
+  gradient accumulation (4 x micro-batch 2 against micro-batch 8, same global batch) on both engines,
+  each logging every step;
+- `_offload`: ZeRO 2 / 3 with CPU offload and ZeRO 3 with NVMe offload, FSDP2 in bf16 with and without
+  CPU offload, at a higher LR;
+- `_nan_skips`: a NaN loss injected on rank 1 (LLMTRAIN_FAULTS) for several stages, precisions and both
+  engines, with the fp32 master weights and optimizer state snapshotted around the poisoned step.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import trainkit
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-STEPS = 6
+STEPS = 10
 # Small and fast: the debug preset (158k parameters), short sequences, two sequences per micro-batch.
 COMMON: dict[str, Any] = {
     "preset": "debug",
@@ -46,10 +49,14 @@ def _train_all(rank: int, world_size: int, root: str, scenarios: dict[str, dict[
     return trainkit.train_all(rank, world_size, root, {n: {**COMMON, **f} for n, f in scenarios.items()})
 
 
+FSDP2 = {"train.engine": "fsdp2"}
 TRAJECTORIES = {
     **{f"zero{s}": {"zero.stage": s} for s in (0, 1, 2, 3)},
+    **{f"fsdp2_zero{s}": {**FSDP2, "zero.stage": s} for s in (2, 3)},
+    "fsdp2_zero3_checkpointed": {**FSDP2, "zero.stage": 3, "train.activation_checkpointing": "full"},
     # Global batch 16 at world size 2: 4 accumulation steps of 2 sequences, or 1 of 8.
     "accum4_micro2": {"zero.stage": 1, "train.micro_batch": 2, "train.global_batch": 16},
+    "fsdp2_accum4_micro2": {**FSDP2, "zero.stage": 3, "train.micro_batch": 2, "train.global_batch": 16},
     "accum1_micro8": {"zero.stage": 1, "train.micro_batch": 8, "train.global_batch": 16},
 }
 
@@ -58,13 +65,15 @@ OFFLOAD: dict[str, dict[str, Any]] = {
     "zero2_cpu": {"zero.stage": 2, "zero.offload": "cpu"},
     "zero3_cpu": {"zero.stage": 3, "zero.offload": "cpu"},
     "zero3_nvme": {"zero.stage": 3, "zero.offload": "nvme"},  # zero.nvme_path set per run
+    "fsdp2_zero3_bf16": {**FSDP2, "zero.stage": 3, "train.precision": "bf16"},
+    "fsdp2_zero2_cpu_bf16": {**FSDP2, "zero.stage": 2, "zero.offload": "cpu", "train.precision": "bf16"},
 }
 
 
 def _offload(rank: int, world_size: int, root: str) -> dict[str, Any]:
     scenarios = {}
     for name, flags in OFFLOAD.items():
-        extra = {"zero.nvme_path": str(Path(root) / "nvme")} if flags["zero.offload"] == "nvme" else {}
+        extra = {"zero.nvme_path": str(Path(root) / "nvme")} if flags.get("zero.offload") == "nvme" else {}
         scenarios[name] = {
             **flags,
             **extra,
@@ -78,7 +87,11 @@ def _offload(rank: int, world_size: int, root: str) -> dict[str, Any]:
 # ---- the NaN skip
 
 NAN_STEP = 1  # 0-based optimizer step computed with a NaN loss on rank 1
-NAN_CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (2, "bf16"), (3, "bf16")]
+NAN_CASES = [
+    *[("deepspeed", 0, "fp32"), ("deepspeed", 1, "fp32"), ("deepspeed", 2, "fp32"), ("deepspeed", 3, "fp32")],
+    *[("deepspeed", 0, "bf16"), ("deepspeed", 2, "bf16"), ("deepspeed", 3, "bf16")],
+    *[("fsdp2", 3, "fp32"), ("fsdp2", 2, "bf16")],
+]
 
 
 def _as_numpy(t: Any) -> np.ndarray:
@@ -87,6 +100,24 @@ def _as_numpy(t: Any) -> np.ndarray:
 
 
 def _snapshot(engine: Any) -> dict[str, np.ndarray]:
+    return _fsdp2_snapshot(engine) if hasattr(engine, "model") else _deepspeed_snapshot(engine)
+
+
+def _fsdp2_snapshot(engine: Any) -> dict[str, np.ndarray]:
+    """FSDP2: the sharded fp32 parameters are the masters (whole: gathered, a collective; local: this
+    rank's shard), and AdamW's state holds this rank's shards of the moments."""
+    out: dict[str, np.ndarray] = {}
+    for i, (name, p) in enumerate(engine.model.named_parameters()):
+        out[f"master/{name}"] = _as_numpy(p.full_tensor())
+        out[f"local_master/{i}"] = _as_numpy(p.to_local())
+    for i, state in enumerate(engine.optimizer.state.values()):
+        for key, value in state.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            out[f"state/{i}/{key}"] = _as_numpy(local)
+    return out
+
+
+def _deepspeed_snapshot(engine: Any) -> dict[str, np.ndarray]:
     """Every parameter's fp32 master value, gathered whole (a collective under ZeRO), and this rank's own
     partition of the optimizer state (Adam moments and step counters; all ranks together hold all of it).
 
@@ -134,10 +165,11 @@ def _nan_skips(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from llmtrain.train.metrics import METRICS_FILE, read_metrics
 
     out: dict[str, Any] = {}
-    for stage, precision in NAN_CASES:
-        name = f"zero{stage}_{precision}"
+    for engine, stage, precision in NAN_CASES:
+        name = f"{engine}_zero{stage}_{precision}"
         run_dir = str(Path(root) / name)
         flags = {
+            "train.engine": engine,
             "zero.stage": stage,
             "train.precision": precision,
             "train.steps": NAN_STEP + 1,
@@ -213,18 +245,25 @@ def _rel_diff(a: list[float | None], b: list[float | None]) -> float:
 REL_TOL = 1e-6
 
 
-def test_zero_stages_give_the_same_loss_trajectory(trajectories: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "name", ["zero1", "zero2", "zero3", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_zero3_checkpointed"]
+)
+def test_zero_stages_and_fsdp2_give_the_same_loss_trajectory(trajectories: dict[str, Any], name: str) -> None:
+    """Every ZeRO stage, and FSDP2 (both run exact AdamW in fp32), follow ZeRO 0's losses."""
     reference = trajectories["zero0"]["losses"]
     assert len(reference) == STEPS and all(loss is not None for loss in reference)
     assert reference[-1] < reference[0]  # it trains at all
-    for stage in (1, 2, 3):
-        losses = trajectories[f"zero{stage}"]["losses"]
-        assert len(losses) == STEPS
-        assert _rel_diff(losses, reference) < REL_TOL, (stage, losses, reference)
+    losses = trajectories[name]["losses"]
+    assert len(losses) == STEPS
+    assert _rel_diff(losses, reference) < REL_TOL, (name, losses, reference)
 
 
-def test_gradient_accumulation_matches_one_big_micro_batch(trajectories: dict[str, Any]) -> None:
-    accumulated = trajectories["accum4_micro2"]["losses"]
+@pytest.mark.parametrize("accumulated_run", ["accum4_micro2", "fsdp2_accum4_micro2"])
+def test_gradient_accumulation_matches_one_big_micro_batch(
+    trajectories: dict[str, Any], accumulated_run: str
+) -> None:
+    """On both engines: DeepSpeed's accumulation, and FSDP2's (gradient sync on the last micro-batch only)."""
+    accumulated = trajectories[accumulated_run]["losses"]
     single = trajectories["accum1_micro8"]["losses"]
     assert len(accumulated) == len(single) == STEPS
     assert _rel_diff(accumulated, single) < REL_TOL, (accumulated, single)
@@ -233,7 +272,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(trajectories: dict[st
 
 
 @pytest.mark.parametrize("name", list(OFFLOAD))
-def test_offload_trains_and_the_loss_falls(offload: dict[str, Any], name: str) -> None:
+def test_offload_and_fsdp2_bf16_train_and_the_loss_falls(offload: dict[str, Any], name: str) -> None:
     losses = offload[name]["losses"]
     assert len(losses) == OFFLOAD_STEPS and all(loss is not None for loss in losses)
     first, last = np.mean(losses[:3]), np.mean(losses[-3:])
@@ -241,11 +280,11 @@ def test_offload_trains_and_the_loss_falls(offload: dict[str, Any], name: str) -
     assert last < first - 0.3, losses
 
 
-@pytest.mark.parametrize(("stage", "precision"), NAN_CASES)
+@pytest.mark.parametrize(("engine", "stage", "precision"), NAN_CASES)
 def test_nan_loss_is_skipped_on_every_rank_with_state_bitwise_unchanged(
-    nan_skips: list[dict[str, Any]], stage: int, precision: str
+    nan_skips: list[dict[str, Any]], engine: str, stage: int, precision: str
 ) -> None:
-    name = f"zero{stage}_{precision}"
+    name = f"{engine}_zero{stage}_{precision}"
     for rank, per_rank in enumerate(nan_skips):
         case = per_rank[name]
         keys = case["keys"]

@@ -11,6 +11,9 @@ by the layout DeepSpeed saved with it (its affine map: full shape, which block e
 A pipeline checkpoint (PipelineEngine, ZeRO 1: `layer_NN-model_states.pt` files) uses `mp_rank_XX` for
 the pipeline stage, not a tp rank: each stage's fp32 masters are cut from its optimizer shards and
 renamed from DeepSpeed's layer-indexed names to the one-process model's (see `_pipeline_fp32`).
+
+An FSDP2 checkpoint (torch.distributed.checkpoint) holds the sharded fp32 parameters, which are the
+masters, under model.py's own names: DCP reassembles them in this one process (`dcp.full_tensors`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.common import CheckpointError
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
@@ -37,7 +41,9 @@ def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.T
     scan_pickles(path)
     # The optimizer's fp32 copies load as tensors that require grad: weights are plain data.
     with weights_only_loads(), torch.no_grad():
-        if _is_pipeline_checkpoint(path):
+        if info.engine == "fsdp2":
+            state = {name: t.float() for name, t in dcp.full_tensors(path, prefix="model.").items()}
+        elif _is_pipeline_checkpoint(path):
             state = _pipeline_fp32(path, info.partitioned)
         else:
             state = _tp_fp32(path, info.partitioned)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,9 @@ def read(state: dict[str, Any], directory: Path) -> None:
 
     if not (directory / METADATA).is_file():
         raise CheckpointError(f"{directory}: no {METADATA}; not a distributed (FSDP2) checkpoint")
+    # Checked here, on every rank, before the collective load: inside it DCP would wrap the refusal
+    # in an exception of its own.
+    _reader(directory).read_metadata()
     with weights_only_loads():
         dcp.load(state, storage_reader=_reader(directory))
 
@@ -121,7 +125,9 @@ def full_tensors(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
     }
     if not flat:
         raise CheckpointError(f"{directory}: the distributed checkpoint holds no tensors under {prefix!r}")
-    with weights_only_loads():
+    with weights_only_loads(), warnings.catch_warnings():
+        # One process by design: DCP's "assuming the intent is to load in a single process" is noise.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(flat, storage_reader=_reader(directory), no_dist=True)
     return {name.removeprefix(prefix): tensor for name, tensor in flat.items()}
 

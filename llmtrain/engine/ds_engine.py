@@ -34,8 +34,6 @@ def build_engine(
     import deepspeed
 
     mpu = process_groups(cfg.layout(world_size))
-    if cfg.parallel.pp > 1:
-        return _build_pipeline_engine(cfg, ds_config, device)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     if cfg.parallel.sp > 1:
@@ -46,20 +44,6 @@ def build_engine(
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
     plain = cfg.zero.stage == 0 and cfg.train.precision == "fp32"
     return DeepSpeedEngine(engine, device, plain_optimizer=plain)
-
-
-def _build_pipeline_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device) -> Any:
-    """This rank's pipeline stage in DeepSpeed's PipelineEngine (the module brings its own process
-    groups), running the configured schedule."""
-    import deepspeed
-
-    from llmtrain.engine import pipeline
-
-    pipe = pipeline.build_pipeline(cfg, device)
-    groups = param_groups(pipeline.named_parameters(pipe), cfg.optim.weight_decay)
-    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
-    pipeline.install_schedule(engine, cfg.parallel.pp_schedule)
-    return pipeline.PipelineEngine(engine, device)
 
 
 class DeepSpeedEngine(Engine):

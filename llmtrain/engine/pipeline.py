@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine.base import Batch, BeforeUpdate
-from llmtrain.engine.ds_engine import DeepSpeedEngine
+from llmtrain.engine.ds_engine import DeepSpeedEngine, param_groups
 from llmtrain.engine.pipe_schedules import SCHEDULES, AgreeOnUpdate
 from llmtrain.model import (
     Block,
@@ -295,6 +295,18 @@ def _accumulated_gradients(engine: Any) -> Iterator[Tensor]:
     for param in engine.module.parameters():
         if param.grad is not None:
             yield param.grad
+
+
+def build_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device) -> PipelineEngine:
+    """This rank's pipeline stage in DeepSpeed's PipelineEngine (the module brings its own process
+    groups), running the configured schedule."""
+    import deepspeed
+
+    pipe = build_pipeline(cfg, device)
+    groups = param_groups(named_parameters(pipe), cfg.optim.weight_decay)
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
+    install_schedule(engine, cfg.parallel.pp_schedule)
+    return PipelineEngine(engine, device)
 
 
 class PipelineEngine(DeepSpeedEngine):

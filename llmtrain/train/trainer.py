@@ -25,8 +25,9 @@ from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
 from llmtrain.data.shards import PreparedData
-from llmtrain.engine import ds_engine, dsconfig, fsdp2
+from llmtrain.engine import dsconfig
 from llmtrain.engine.base import Engine
+from llmtrain.engine.build import build_engine
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
@@ -117,11 +118,7 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
         rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
-    engine: Engine
-    if ds_config is None:
-        engine = fsdp2.build_engine(cfg, world.device, world.world_size, world.accelerator)
-    else:
-        engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
+    engine = build_engine(cfg, world, ds_config)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
         # Saved at another world size: DeepSpeed's universal format re-partitions the states.
