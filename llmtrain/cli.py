@@ -220,6 +220,7 @@ def _shape_option(flag: str, help_text: str) -> Any:
 @app.command("estimate-memory")
 @with_flags(
     "--preset",
+    "--engine",
     "--zero",
     "--offload",
     "--nvme-path",

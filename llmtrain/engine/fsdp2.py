@@ -28,7 +28,7 @@ from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.reading import checkpoint_dir
 from llmtrain.config import TrainConfig
 from llmtrain.engine.base import Batch, Engine
-from llmtrain.engine.ds_engine import param_groups
+from llmtrain.engine.ds_engine import HeldStates, param_groups
 from llmtrain.model import Llama, build_model
 from llmtrain.parallel.rules import batch_triple
 
@@ -137,3 +137,35 @@ class FSDP2Engine(Engine):
 
     def checkpoint_facts(self) -> dict[str, Any]:
         return {"engine": "fsdp2", "zero_stage": self.zero_stage}
+
+
+def held_model_states(engine: FSDP2Engine) -> HeldStates:
+    """Bytes of the model states this rank holds, each storage counted once: every parameter's local
+    shard (padded to a multiple of the world size's rows), the gradient shards (views of each unit's
+    reduce-scatter output) and AdamW's state; what the memory estimator's FSDP2 model-state terms
+    predict (tests/test_memory_fsdp2.py measures it between a backward and the update)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor: Tensor) -> Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    params = [local(p) for p in engine.model.parameters()]
+    grads = [local(p.grad) for p in engine.model.parameters() if p.grad is not None]
+    optim = [
+        local(t) for state in engine.optimizer.state.values() for t in state.values() if isinstance(t, Tensor)
+    ]
+    counted: set[tuple[str, int]] = set()
+    param_bytes = _storage_bytes(params, counted)
+    return HeldStates(param_bytes, param_bytes + _storage_bytes(grads + optim, counted))
+
+
+def _storage_bytes(tensors: list[Tensor], counted: set[tuple[str, int]]) -> int:
+    """Bytes of the storages under `tensors` not in `counted` yet (which then holds them)."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (tensor.device.type, storage.data_ptr())
+        if key not in counted:
+            counted.add(key)
+            total += storage.nbytes()
+    return total

@@ -2,7 +2,8 @@
 the layouts that fit.
 
 * formulas: a Setup (config + parameter count) -> an Estimate, from the model shape and the DeepSpeed
-  config dsconfig generates (calibrated in tests/test_memory_calibration.py).
+  config dsconfig generates (calibrated in tests/test_memory_calibration.py), or FSDP2's own terms
+  under --engine fsdp2 (calibrated in tests/test_memory_fsdp2.py).
 * pipeline: under --pp, the blocks each stage runs, the micro-batches it holds at once, the bubble.
 * fit: every layout llmtrain.parallel.rules allows that fits given memory, fastest first.
 * inputs: the command line's sizes, counts and raw shape flags -> a Setup.

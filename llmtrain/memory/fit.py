@@ -3,7 +3,8 @@ micro-batch.
 
 The combinations come from llmtrain.parallel.rules, the one table of what composes, and the degrees from
 llmtrain.parallel.layout's checks against the model, so the search never proposes a layout that
-`llmtrain train` would refuse.
+`llmtrain train` would refuse. It searches the setup's engine only (FSDP2: ZeRO 2 or 3, offload none or
+cpu, data parallelism alone).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Candidate:
     layout: str  # Layout.describe(): "dp 4 x tp 2"
     pp: int = 1
     bubble: float = 0.0  # the pipeline's idle share of each step at the setup's global batch
+    engine: str = "deepspeed"
 
 
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
@@ -102,7 +104,7 @@ def fitting(setup: Setup, gpu_memory: int, cpu_memory: int | None = None) -> lis
     found: list[Candidate] = []
     for tp, sp, pp in degrees(setup):
         sizes = _pipeline_batches(setup, pp, batches)
-        for choice in rules.combinations(setup.precision, ACCELERATOR, tp, sp, pp):
+        for choice in rules.combinations(setup.precision, ACCELERATOR, tp, sp, pp, setup.engine):
             for mode in modes:
                 best = _largest_fitting(setup, choice, mode, sizes, gpu_memory, cpu_memory)
                 if best is not None:
@@ -144,5 +146,6 @@ def _largest_fitting(
                 lay.describe(),
                 lay.pp,
                 est.setup.bubble,
+                setup.engine,
             )
     return None

@@ -20,6 +20,14 @@ saved-tensor hooks in tests/test_memory_calibration.py):
   that stage), the activations the peak over stages of one micro-batch's bytes on the stage times the
   micro-batches it holds at once (memory.pipeline.in_flight), the embedding's on the first stage and the
   final norm's and the loss's on the last. Taking each term's worst stage bounds every stage's peak.
+* FSDP2 (--engine fsdp2, torch 2.13's fully_shard as llmtrain.engine.fsdp2 applies it: one unit per
+  block, then the root with the embedding, final norm and output layer) replaces DeepSpeed's model states
+  and buffers with its own: fp32 shards of the parameters (the masters), of the gradients and of AdamW's
+  moments, the units' parameters gathered in the model dtype (--zero 2 keeps them all from forward to
+  backward, --zero 3 one block and its prefetched neighbour besides the root), fp32 gradients
+  accumulated unsharded between reductions, and one unit's reduce-scatter buffers; the model states are
+  checked against the real FSDP2 engine in tests/test_memory_fsdp2.py. Activations are the model's, as
+  under DeepSpeed.
 
 Import-light on purpose: no torch, no DeepSpeed, no model; estimating a 70B model allocates nothing.
 """
@@ -151,6 +159,10 @@ class Setup:
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations pipeline stage `stage` holds at once (1 without a pipeline)."""
         return in_flight(self.cfg.parallel.pp_schedule, self.layout.pp, self.accumulation_steps, stage)
+
+    @property
+    def engine(self) -> str:
+        return self.cfg.train.engine
 
     @property
     def stage(self) -> int:
@@ -287,7 +299,9 @@ def persistent_elements(setup: Setup) -> int:
 
 def model_states(setup: Setup) -> ModelStates:
     """Per-rank model-state bytes for this stage, offload, precision and layout, as DeepSpeed 0.19.8
-    allocates them (stage 0 never runs with tp or sp: rules.RULES)."""
+    allocates them (stage 0 never runs with tp or sp: rules.RULES), or FSDP2 under --engine fsdp2."""
+    if setup.engine == "fsdp2":
+        return fsdp2_states(setup)
     p, n, b, a = setup.rank_params, setup.zero_group, setup.lp_bytes, setup.grad_accum_bytes
     part = p / n
     optim = FP32 + ADAM_MOMENTS  # fp32 master partition + moments (ZeRO clones a master even in fp32)
@@ -380,6 +394,111 @@ def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int
         optim_nvme=0 if cpu else states,
         notes=notes,
     )
+
+
+# ---------------------------------------------------------------- FSDP2 (per rank)
+#
+# Each term names the mechanism of torch 2.13's torch/distributed/fsdp/_fully_shard/ it stands for.
+# Every parameter is sharded on dim 0 and padded to a multiple of N rows (FSDPParam._init_sharded_param):
+# at most one row per tensor, left out.
+
+
+@dataclass(frozen=True)
+class ShardUnits:
+    """Elements of the units llmtrain.engine.fsdp2 calls fully_shard on: each of `blocks` transformer
+    blocks, and the root (the embedding, final norm and output layer: what no block holds)."""
+
+    root: int
+    block: int
+    blocks: int
+
+    @property
+    def largest(self) -> int:
+        return max(self.root, self.block)
+
+
+def shard_units(model: ModelConfig) -> ShardUnits:
+    root = sum(parameter_tensors(replace(model, num_hidden_layers=0)))
+    blocks = model.num_hidden_layers
+    return ShardUnits(root, (sum(parameter_tensors(model)) - root) // blocks, blocks)
+
+
+def fsdp2_states(setup: Setup) -> ModelStates:
+    """FSDP2's model states: every rank keeps a 1/N shard of each parameter in fp32, which are the
+    masters (MixedPrecisionPolicy only casts the all-gather input to bf16: FSDPParam.all_gather_inputs),
+    its gradient in fp32 (foreach_reduce leaves each shard's .grad a view of its unit's reduce-scatter
+    output, reduced in the fp32 reduce dtype), and AdamW's exp_avg and exp_avg_sq shaped like the shard.
+    CPUOffloadPolicy keeps all three in host memory: the shards are created there, each gradient shard is
+    copied out of the reduce-scatter output to the CPU, and AdamW steps there."""
+    shard = setup.rank_params / setup.zero_group
+    params, grads, moments = round(FP32 * shard), round(FP32 * shard), round(ADAM_MOMENTS * shard)
+    where = _OFFLOAD_WHERE[setup.offload]
+    notes = {
+        "params": f"fp32 shards / {setup.zero_group} ranks, the masters{where}",
+        "grads": f"fp32 shards, views of each unit's reduce-scatter output{where}",
+        "optim": f"AdamW moments 8 B/param / {setup.zero_group} ranks, no master copy{where}",
+    }
+    if setup.offload == "cpu":
+        return ModelStates(params_cpu=params, grads_cpu=grads, optim_cpu=moments, notes=notes)
+    return ModelStates(params_gpu=params, grads_gpu=grads, optim_gpu=moments, notes=notes)
+
+
+def gathered_elements(setup: Setup) -> int:
+    """Parameters FSDP2 holds unsharded at once, in the model dtype (MixedPrecisionPolicy's param_dtype).
+
+    The root is gathered for its forward, which spans the whole model and the loss, and again from the
+    first backward op to the last (the embedding's gradient). A block's all-gather output outlives its
+    copy into the parameters: in forward until the next unit's copy-out, or the root's post-forward for
+    the last block (comm_ctx.all_gather_state); in backward the next block's is prefetched
+    (_backward_prefetch). --zero 3 (reshard_after_forward) frees each block's parameters after its
+    forward and after its backward: the root, the running block and one all-gather output. --zero 2
+    keeps every unit's from its forward to its backward, and the last block's all-gather output on top.
+    """
+    units = shard_units(setup.cfg.model)
+    if setup.stage == 3:
+        return units.root + min(2, units.blocks) * units.block
+    return units.root + (units.blocks + 1) * units.block
+
+
+def _fsdp2_terms(setup: Setup) -> list[Term]:
+    """FSDP2's buffers on the GPU, in place of DeepSpeed's buckets (offloaded or not: FSDP2 gathers and
+    reduces on the GPU)."""
+    terms = [_gathered_term(setup), _reduce_scatter_term(setup)]
+    if setup.accumulation_steps > 1:
+        terms.append(_accumulated_gradients_term(setup))
+    return terms
+
+
+def _gathered_term(setup: Setup) -> Term:
+    if not setup.shape_known:
+        return Term("gathered parameters", 0, "activations", "unknown: give the model's shape")
+    held = (
+        "the root unit (embedding, final norm, output layer), the running block and one all-gather output"
+        if setup.stage == 3
+        else "every unit from its forward to its backward, and the last block's all-gather output"
+    )
+    return Term("gathered parameters", setup.lp_bytes * gathered_elements(setup), "activations", held)
+
+
+def _reduce_scatter_term(setup: Setup) -> Term:
+    """A unit's post-backward (foreach_reduce) copies its unsharded gradients, in the model dtype, into
+    a reduce-scatter input in the fp32 reduce dtype and frees them only then; the input is kept until
+    the next unit's reduce (reduce_scatter_max_input_buffers 1), which frees it first: one unit's at a
+    time, after the activations of the blocks behind it are freed."""
+    if not setup.shape_known:
+        return Term("reduce-scatter buffers", 0, "transient", "unknown: give the model's shape")
+    largest = shard_units(setup.cfg.model).largest
+    note = "the largest unit's gradients, unsharded, and the fp32 reduce-scatter input they are copied into"
+    return Term("reduce-scatter buffers", (setup.lp_bytes + FP32) * largest, "transient", note)
+
+
+def _accumulated_gradients_term(setup: Setup) -> Term:
+    """Gradient accumulation without communication (set_requires_gradient_sync(False) on all but the
+    last micro-batch): every unit keeps its unsharded gradients, cast to the fp32 reduce dtype
+    (FSDPParam.to_accumulated_grad_if_needed), until the last backward reduces them."""
+    m = setup.accumulation_steps
+    note = f"fp32, unsharded, summed over {m} micro-batches before one reduce-scatter"
+    return Term("accumulated gradients", FP32 * setup.rank_params, "activations", note)
 
 
 # ---------------------------------------------------------------- activations (per GPU, one micro-batch)
@@ -589,6 +708,7 @@ class Estimate:
             "setup": {
                 "params": s.params,
                 "preset": c.preset if s.shape_known else None,
+                "engine": s.engine,
                 "zero_stage": s.stage,
                 "offload": s.offload,
                 "precision": s.precision,
@@ -655,7 +775,8 @@ def pipeline_report(setup: Setup) -> dict[str, Any]:
 
 def estimate(setup: Setup) -> Estimate:
     states = model_states(setup)
-    gpu = _state_terms(setup, states) + _activation_terms(setup) + _buffer_terms(setup)
+    buffers = _fsdp2_terms(setup) if setup.engine == "fsdp2" else _buffer_terms(setup)
+    gpu = _state_terms(setup, states) + _activation_terms(setup) + buffers
     gpu += _pipeline_terms(setup)
     gpu.append(
         Term(
@@ -816,14 +937,22 @@ def _buffer_terms(setup: Setup) -> list[Term]:
     ]
 
 
+# The offloaded states' notes per engine: FSDP2 offloads its fp32 shards, which are the masters.
+_HOST_NOTES = {
+    "deepspeed": ("pinned, per node", "fp32 partitions, pinned", "fp32 master + moments"),
+    "fsdp2": ("fp32 shards (the masters), pinned", "fp32 shards, pinned", "AdamW moments"),
+}
+
+
 def _host_terms(setup: Setup, s: ModelStates) -> tuple[list[Term], list[Term]]:
     g, b = setup.cfg.launch.gpus, setup.lp_bytes
+    params_note, grads_note, optim_note = _HOST_NOTES[setup.engine]
     cpu = [
-        Term("offloaded parameters", g * s.params_cpu, "always", "pinned, per node"),
-        Term("offloaded gradients", g * s.grads_cpu, "always", "fp32 partitions, pinned"),
-        Term("offloaded optimizer states", g * s.optim_cpu, "always", "fp32 master + moments"),
+        Term("offloaded parameters", g * s.params_cpu, "always", params_note),
+        Term("offloaded gradients", g * s.grads_cpu, "always", grads_note),
+        Term("offloaded optimizer states", g * s.optim_cpu, "always", optim_note),
     ]
-    if setup.stage in (1, 2) and setup.offload == "cpu":
+    if setup.engine == "deepspeed" and setup.stage in (1, 2) and setup.offload == "cpu":
         staging = round(b * setup.rank_params / setup.zero_group) + b * _largest_param(setup)
         cpu.append(Term("pinned staging buffers", g * staging, "always", "bit16 partition + largest grad"))
     nvme: list[Term] = []

@@ -41,7 +41,7 @@ def render(doc: dict[str, Any]) -> None:
     console = Console()
     s = doc["setup"]
     title = (
-        f"{s['preset'] or format(s['params'], ',') + ' params'}: ZeRO {s['zero_stage']}, offload {s['offload']}, "
+        f"{s['preset'] or format(s['params'], ',') + ' params'}: {_engine_stage(s)}, offload {s['offload']}, "
         f"{s['precision']}, {s['gpus_per_node']} GPU(s) x {s['nodes']} node(s), {s['layout']}"
     )
     for key, heading, total_key in _BREAKDOWNS:
@@ -60,6 +60,14 @@ def render(doc: dict[str, Any]) -> None:
         line += f", CPU headroom per node {human(verdict['cpu_headroom_bytes'])}"
     console.print(line, style="green" if verdict["fits"] else "red")
     console.print(_fitting_table(doc["fitting_configurations"]))
+
+
+def _engine_stage(setup: dict[str, Any]) -> str:
+    """`ZeRO 2` on DeepSpeed; on FSDP2, what --zero 2 or 3 means there."""
+    if setup["engine"] == "deepspeed":
+        return f"ZeRO {setup['zero_stage']}"
+    kept = "reshard after forward" if setup["zero_stage"] == 3 else "parameters gathered until backward"
+    return f"FSDP2 --zero {setup['zero_stage']} ({kept})"
 
 
 def _render_pipeline(console: Any, pipe: dict[str, Any]) -> None:

@@ -1,0 +1,216 @@
+"""estimate-memory --engine fsdp2: FSDP2's terms by hand, the fit search, the CLI, and the model states
+against the real FSDP2 engine (llmtrain.engine.fsdp2) at world size 2 on gloo.
+
+The debug preset's numbers used below: vocabulary 512, hidden 64, 2 blocks of 46,208 parameters each
+(two norms 2 x 64, q and o 64 x 64, k and v 64 x 32, gate, up and down 64 x 176), the root unit
+(embedding, final norm, output layer) 2 x 512 x 64 + 64 = 65,600: P = 158,016.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from dist import run_distributed
+
+from llmtrain import memory
+from llmtrain.cli import main
+from llmtrain.config import resolve
+from llmtrain.memory import formulas
+from llmtrain.parallel import rules
+
+P, ROOT, BLOCK = 158_016, 65_600, 46_208
+
+
+def _config(stage: int, offload: str = "none", precision: str = "bf16", **flags: Any) -> Any:
+    return resolve(
+        flags={
+            "preset": "debug",
+            "train.engine": "fsdp2",
+            "zero.stage": stage,
+            "zero.offload": offload,
+            "train.precision": precision,
+            "train.micro_batch": 2,
+            "train.seq_len": 32,
+            "launch.gpus": 2,
+            **flags,
+        }
+    )
+
+
+def _terms(stage: int, offload: str = "none", precision: str = "bf16", **flags: Any) -> dict[str, int]:
+    est = memory.estimate(memory.setup_from_config(_config(stage, offload, precision, **flags)))
+    return {t.name: t.bytes for t in est.gpu + est.cpu}
+
+
+# ---------------------------------------------------------------- the numbers, by hand
+
+
+def test_units_are_the_blocks_and_the_root() -> None:
+    assert formulas.shard_units(_config(3).model) == formulas.ShardUnits(ROOT, BLOCK, 2)
+    assert ROOT + 2 * BLOCK == P == memory.setup_from_config(_config(3)).params
+    tied = _config(3, **{"model.tie_word_embeddings": True}).model
+    assert formulas.shard_units(tied).root == 512 * 64 + 64  # lm_head is the embedding's Parameter
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_model_states_are_fp32_shards_of_params_grads_and_moments(stage: int) -> None:
+    on_gpu = memory.model_states(memory.setup_from_config(_config(stage)))
+    assert (on_gpu.params_gpu, on_gpu.grads_gpu, on_gpu.optim_gpu) == (4 * P // 2, 4 * P // 2, 8 * P // 2)
+    offloaded = memory.model_states(memory.setup_from_config(_config(stage, "cpu")))
+    assert offloaded.gpu == 0
+    assert (offloaded.params_cpu, offloaded.grads_cpu, offloaded.optim_cpu) == (
+        4 * P // 2,
+        4 * P // 2,
+        8 * P // 2,
+    )
+    # fp32 training holds the same: the shards are fp32 whatever the compute dtype.
+    assert (
+        memory.model_states(memory.setup_from_config(_config(stage, precision="fp32"))).total == 16 * P // 2
+    )
+
+
+def test_gathered_parameters_and_reduce_scatter_buffers() -> None:
+    # --zero 3: the root, the running block and one all-gather output; --zero 2: every unit and the
+    # last block's all-gather output. In the model dtype.
+    assert _terms(3)["gathered parameters"] == 2 * (ROOT + 2 * BLOCK)
+    assert _terms(2)["gathered parameters"] == 2 * (ROOT + 3 * BLOCK)
+    assert _terms(2, precision="fp32")["gathered parameters"] == 4 * (ROOT + 3 * BLOCK)
+    # The largest unit (the root) unsharded in the model dtype plus its fp32 reduce-scatter input.
+    assert _terms(3)["reduce-scatter buffers"] == (2 + 4) * ROOT
+    assert _terms(3, precision="fp32")["reduce-scatter buffers"] == (4 + 4) * ROOT
+    # Offloading moves the states, not the gathering and reducing, off the GPU.
+    offloaded = _terms(3, "cpu")
+    assert offloaded["gathered parameters"] == 2 * (ROOT + 2 * BLOCK)
+    assert offloaded["offloaded optimizer states"] == 2 * 8 * P // 2  # per node: 2 GPUs
+    assert "pinned staging buffers" not in _terms(2, "cpu")  # DeepSpeed's, not FSDP2's
+
+
+def test_gradient_accumulation_keeps_fp32_gradients_unsharded() -> None:
+    assert "accumulated gradients" not in _terms(3)
+    assert _terms(3, **{"train.global_batch": 8})["accumulated gradients"] == 4 * P  # 2 micro-batches
+
+
+def test_deepspeed_buffers_are_not_fsdp2s() -> None:
+    fsdp2 = _terms(3)
+    deepspeed = _terms(3, **{"train.engine": "deepspeed"})
+    assert "reduce bucket" in deepspeed and "reduce bucket" not in fsdp2
+    assert "gathered parameters" in deepspeed  # ZeRO-3's own, from its live-parameter limits
+    assert fsdp2["activations"] == deepspeed["activations"]  # the same model, the same activations
+
+
+# ---------------------------------------------------------------- what fits
+
+
+def test_fit_search_proposes_only_what_fsdp2_runs() -> None:
+    setup = memory.setup_from_config(
+        resolve(flags={"preset": "7b", "train.engine": "fsdp2", "zero.stage": 3, "launch.gpus": 8})
+    )
+    found = memory.fitting(setup, 80 * 10**9)
+    # ZeRO 2 or 3 x offload none or cpu, data parallelism alone: never a tp/sp/pp degree the node allows.
+    assert {(c.stage, c.offload) for c in found} == {(2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")}
+    for c in found:
+        assert (c.engine, c.tp, c.sp, c.pp) == ("fsdp2", 1, 1, 1)
+        rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", engine="fsdp2"))
+        est = memory.estimate(setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, 1, 1))
+        assert est.gpu_peak == c.gpu_bytes <= 80 * 10**9
+
+
+# ---------------------------------------------------------------- the command line
+
+_CLI = ["estimate-memory", "--engine", "fsdp2", "--preset", "debug", "--gpus", "2", "--micro-batch", "2"]
+
+
+def test_cli_prints_fsdp2s_terms(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # no wrapped cells
+    assert main([*_CLI, "--zero", "3", "--seq-len", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "FSDP2 --zero 3 (reshard after forward)" in out
+    for term in ("fp32 shards / 2 ranks, the masters", "gathered parameters", "reduce-scatter buffers"):
+        assert term in out, term
+
+
+def test_cli_json_has_fsdp2s_terms(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*_CLI, "--zero", "3", "--seq-len", "32", "--offload", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["setup"]["engine"], doc["setup"]["zero_stage"]) == ("fsdp2", 3)
+    gpu = {r["term"]: r["bytes"] for r in doc["per_gpu"]}
+    cpu = {r["term"]: r["bytes"] for r in doc["per_node_cpu"]}
+    assert (gpu["parameters"], gpu["gradients"], gpu["optimizer states"]) == (0, 0, 0)
+    assert gpu["gathered parameters"] == 2 * (ROOT + 2 * BLOCK)
+    assert gpu["reduce-scatter buffers"] == 6 * ROOT
+    assert cpu == {
+        "offloaded parameters": 4 * P,
+        "offloaded gradients": 4 * P,
+        "offloaded optimizer states": 8 * P,
+    }
+    assert doc["model_states_per_rank_bytes"] == 16 * P // 2
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--zero", "1"], "--zero"),
+        (["--zero", "0"], "--zero"),
+        (["--zero", "3", "--offload", "nvme", "--nvme-path", "/tmp"], "--offload"),
+        (["--zero", "3", "--precision", "fp16"], "--precision"),
+        (["--zero", "3", "--tp", "2"], "--engine"),
+    ],
+)
+def test_cli_refuses_what_fsdp2_does_not_run(
+    args: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*_CLI, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}: ") and "fsdp2" in err[0], err
+
+
+# ---------------------------------------------------------------- against the real engine
+
+CASES = [
+    (2, "none", "bf16"),
+    (3, "none", "bf16"),
+    (2, "none", "fp32"),
+    (3, "none", "fp32"),
+    (2, "cpu", "bf16"),
+    (3, "cpu", "bf16"),
+]
+
+
+def _measure_engines(
+    rank: int, world: int, cases: list[tuple[int, str, str]]
+) -> dict[tuple, tuple[int, int]]:
+    """Each case's (parameter, model-state) bytes on this rank after an update (AdamW's moments exist)
+    and the next backward (gradients held)."""
+    from llmtrain.engine.fsdp2 import build_engine, held_model_states
+
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))  # debug vocabulary
+    batch = {"input_ids": ids, "labels": ids}
+    measured = {}
+    for case in cases:
+        engine = build_engine(_config(*case), torch.device("cpu"), world, "cpu")
+        engine.backward(engine.forward(batch), last=True, skip=False)
+        engine.update(skip=False)
+        engine.backward(engine.forward(batch), last=True, skip=False)
+        held = held_model_states(engine)
+        measured[case] = (held.params, held.total)
+    return measured
+
+
+@pytest.mark.slow
+def test_model_states_match_the_real_fsdp2_engine_within_5_percent() -> None:
+    ranks = run_distributed(_measure_engines, 2, CASES)
+    errors: list[tuple[str, float]] = []  # printed (pytest -s): the calibration's relative errors
+    for case in CASES:
+        states = memory.model_states(memory.setup_from_config(_config(*case)))
+        estimated = {"parameters": states.params_gpu + states.params_cpu, "model states": states.total}
+        for rank, measured in enumerate(ranks):
+            for (what, estimate), held in zip(estimated.items(), measured[case], strict=True):
+                line = f"{'/'.join(map(str, case))} rank {rank} {what}: estimated {estimate}, engine holds {held}"
+                errors.append((line, (estimate - held) / held))
+    for line, error in errors:
+        print(f"{error:+.3%}  {line}")
+    failures = [line for line, error in errors if abs(error) > 0.05]
+    assert not failures, "\n".join(failures)
