@@ -92,11 +92,16 @@ def _resume_to_the_end(run_dir: Path, reference: Path) -> None:
     _assert_same_weights(_final_weights(run_dir), _final_weights(reference))
 
 
+# The engine flags of the engine-generic fault tests: DeepSpeed's default ZeRO 1, and FSDP2.
+ENGINES = {"deepspeed": [], "fsdp2": ["--engine", "fsdp2", "--zero", "3"]}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_sigkill_of_one_rank_ends_the_job_naming_it_and_resume_is_exact(
-    tmp_path: Path, reference: Path
+    tmp_path: Path, reference: Path, engine: str
 ) -> None:
     run_dir = tmp_path / "run"
-    run = start(train_args(run_dir, STEPS, SAVE_EVERY), tmp_path / "run.log", run_env())
+    run = start(train_args(run_dir, STEPS, SAVE_EVERY, *ENGINES[engine]), tmp_path / "run.log", run_env())
     wait_for(lambda: latest(run_dir) is not None and last_logged_step(run_dir) >= 3, RUN_TIMEOUT, "step 3")
     victim = run.workers()[1]
     victim.kill()  # SIGKILL, mid-step: no handler, no cleanup
@@ -111,7 +116,8 @@ def test_sigkill_of_one_rank_ends_the_job_naming_it_and_resume_is_exact(
     assert named[0].startswith("error: rank 0: lost contact with another rank at step ")
     assert "Traceback" not in output
     _assert_latest_verifies(run_dir)
-    _resume_to_the_end(run_dir, reference)
+    if engine == "deepspeed":  # FSDP2's bitwise resume after SIGKILL: tests/test_resume.py
+        _resume_to_the_end(run_dir, reference)
 
 
 def test_a_rank_stuck_before_a_collective_aborts_the_job_within_the_timeout(tmp_path: Path) -> None:
@@ -133,23 +139,31 @@ def test_a_rank_stuck_before_a_collective_aborts_the_job_within_the_timeout(tmp_
     assert _assert_latest_verifies(run_dir) == checkpoint.tag_for(2)
 
 
-def _disk_full_run(tmp_path: Path, *extra: str) -> tuple[Path, int, str]:
-    """Rank 1's writes fail (EFBIG) during the checkpoint after 0-based step 3 (the one for step 4);
-    its optimizer shard is the first file it writes, and the error names it."""
+def _disk_full_run(tmp_path: Path, engine: str, *extra: str) -> tuple[Path, int, str]:
+    """Rank 1's writes fail (EFBIG) during the checkpoint after 0-based step 3 (the one for step 4)."""
     run_dir = tmp_path / "run"
-    run = start(train_args(run_dir, 6, SAVE_EVERY, *extra), tmp_path / "run.log", run_env("disk_full@1:3"))
+    args = train_args(run_dir, 6, SAVE_EVERY, *ENGINES[engine], *extra)
+    run = start(args, tmp_path / "run.log", run_env("disk_full@1:3"))
     code, output = run.wait(RUN_TIMEOUT)
     return run_dir, code, output
 
 
+def _names_rank_1s_failed_write(line: str, run_dir: Path, engine: str) -> bool:
+    """DeepSpeed: rank 1's optimizer shard, the first file it writes. FSDP2: DCP reports the failed
+    rank and its error for the checkpoint directory (its shard file is the only one rank 1 writes)."""
+    staging = f"rank 1: {run_dir}/checkpoints/.incoming/step_00000004"
+    return (staging + ("/zero_pp_rank_1_" if engine == "deepspeed" else ": OSError: File too large")) in line
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_a_failed_checkpoint_write_on_one_rank_warns_and_retries_at_the_next_interval(
-    tmp_path: Path,
+    tmp_path: Path, engine: str
 ) -> None:
-    run_dir, code, output = _disk_full_run(tmp_path)
+    run_dir, code, output = _disk_full_run(tmp_path, engine)
     assert code == 0, output[-3000:]
     warning = [line for line in output.splitlines() if "checkpoint at step 4 failed" in line]
     assert warning, output[-3000:]
-    assert f"rank 1: {run_dir}/checkpoints/.incoming/step_00000004/zero_pp_rank_1_" in warning[0]
+    assert _names_rank_1s_failed_write(warning[0], run_dir, engine), warning[0]
     assert "failed, previous checkpoint kept: " in warning[0]
     assert warning[0].endswith("; retrying at the next interval")
     root = _ckpt_root(run_dir)
@@ -161,12 +175,13 @@ def test_a_failed_checkpoint_write_on_one_rank_warns_and_retries_at_the_next_int
     assert last_logged_step(run_dir) == 6
 
 
-def test_a_failed_checkpoint_write_stops_cleanly_when_configured(tmp_path: Path) -> None:
-    run_dir, code, output = _disk_full_run(tmp_path, "--set", "checkpoint.on_save_failure=stop")
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_failed_checkpoint_write_stops_cleanly_when_configured(tmp_path: Path, engine: str) -> None:
+    run_dir, code, output = _disk_full_run(tmp_path, engine, "--set", "checkpoint.on_save_failure=stop")
     assert code == 1
     reports = [line for line in error_lines(output) if "checkpoint at step 4 failed" in line]
-    assert len(reports) == 2, output[-3000:]  # every rank reports it (and names rank 1's file)
-    assert all(f"rank 1: {run_dir}/checkpoints/.incoming/step_00000004/zero_pp_rank_1_" in x for x in reports)
+    assert len(reports) == 2, output[-3000:]  # every rank reports it (and names rank 1's failure)
+    assert all(_names_rank_1s_failed_write(x, run_dir, engine) for x in reports), reports
     assert "Traceback" not in output
     root = _ckpt_root(run_dir)
     assert latest(run_dir) == checkpoint.tag_for(2)  # unchanged

@@ -81,16 +81,22 @@ def _reader(path: Path) -> Any:
 def write(state: dict[str, Any], directory: Path) -> tuple[list[str], list[Path]]:
     """Save `state` (every rank's shards) into `directory`, a collective: (errors, files written).
 
-    DCP gathers every rank's write result and raises the same error on all of them, so catching it
-    here keeps the ranks on one sequence of collectives. Its writer fsyncs each file it writes."""
+    DCP gathers every rank's write result and raises the same CheckpointException on all of them
+    (catching it keeps the ranks on one sequence of collectives); each rank reports only its own
+    failure, so the commit's message names the rank that failed once. DCP's writer fsyncs each file."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+    except CheckpointException as exc:
+        own = exc.failures.get(dist.get_rank())
+        return ([_describe(directory, own[0] if isinstance(own, tuple) else own)] if own else []), []
     except Exception as exc:
-        return [f"{directory}: {type(exc).__name__}: {_first_line(exc)}"], []
-    return [], []  # fsynced by DCP's writer already
+        return [_describe(directory, exc)], []
+    return [], []
 
 
 def read(state: dict[str, Any], directory: Path) -> None:
@@ -102,8 +108,15 @@ def read(state: dict[str, Any], directory: Path) -> None:
     # Checked here, on every rank, before the collective load: inside it DCP would wrap the refusal
     # in an exception of its own.
     _reader(directory).read_metadata()
-    with weights_only_loads():
-        dcp.load(state, storage_reader=_reader(directory))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with weights_only_loads():
+            dcp.load(state, storage_reader=_reader(directory))
+    except CheckpointException as exc:  # the same on every rank: each raises it as one line
+        rank, failure = next(iter(exc.failures.items()))
+        failed = failure[0] if isinstance(failure, tuple) else failure
+        raise CheckpointError(f"rank {rank}: {_describe(directory, failed)}") from None
 
 
 def is_dcp_checkpoint(directory: Path) -> bool:
@@ -132,6 +145,9 @@ def full_tensors(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
     return {name.removeprefix(prefix): tensor for name, tensor in flat.items()}
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def _describe(directory: Path, exc: BaseException) -> str:
+    """`path: OSError: [Errno 27] File too large`, naming the file where the error does."""
+    where = getattr(exc, "filename", None) or directory
+    text = (getattr(exc, "strerror", None) or str(exc)).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{where}: {type(exc).__name__}: {first}" if first else f"{where}: {type(exc).__name__}"
