@@ -144,15 +144,15 @@ def _deepspeed_snapshot(engine: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _snapshot_around_steps(trainer: Any) -> list[dict[str, np.ndarray]]:
-    """Wrap the trainer's real step: snapshot before every step, and after the NaN step."""
+def _snapshot_around_steps(trainer: Any, faulty_step: int = NAN_STEP) -> list[dict[str, np.ndarray]]:
+    """Wrap the trainer's real step: snapshot before every step, and after the faulty one."""
     snaps: list[dict[str, np.ndarray]] = []
     step = trainer.train_step
 
     def snapshotting_step(batches: Any) -> Any:
         snaps.append(_snapshot(trainer.engine))
         result = step(batches)
-        if trainer.counters.step == NAN_STEP:
+        if trainer.counters.step == faulty_step:
             snaps.append(_snapshot(trainer.engine))
         return result
 
@@ -195,11 +195,44 @@ def _nan_skips(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+# ---- a finite grad-norm spike (rank 0's gradients x 1000 at one step, its loss unchanged)
+
+SPIKE_STEP = 5  # 0-based; five accepted steps before it fill the guard's history
+SPIKE_FLAGS = {
+    "zero.stage": 3,
+    "train.steps": SPIKE_STEP + 1,
+    "schedule.warmup_steps": 0,
+    "stability.min_history": 3,
+}
+
+
+def _grad_spikes(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Per engine: whether the spiked step changed the state, the guard's counts, rank 0's records."""
+    from llmtrain.train.metrics import METRICS_FILE, read_metrics
+
+    out: dict[str, Any] = {}
+    for engine in ("deepspeed", "fsdp2"):
+        run_dir = str(Path(root) / engine)
+        flags = {**SPIKE_FLAGS, "train.engine": engine}
+        trainer = _build(rank, world_size, run_dir, flags, faults=f"grad_spike@0:{SPIKE_STEP}")
+        snaps = _snapshot_around_steps(trainer, SPIKE_STEP)
+        trainer.train()
+        before, after = snaps[SPIKE_STEP], snaps[SPIKE_STEP + 1]
+        out[engine] = {
+            "changed_by_spike": [k for k in before if not np.array_equal(before[k], after[k])],
+            "skipped_total": trainer.guard.skipped_total,
+            "spikes_total": trainer.guard.spikes_total,
+            "records": read_metrics(Path(run_dir) / METRICS_FILE) if rank == 0 else None,
+        }
+    return out
+
+
 def _all_groups(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {
         "trajectories": _train_all(rank, world_size, str(Path(root) / "trajectories"), TRAJECTORIES),
         "offload": _offload(rank, world_size, str(Path(root) / "offload")),
         "nan": _nan_skips(rank, world_size, str(Path(root) / "nan")),
+        "spikes": _grad_spikes(rank, world_size, str(Path(root) / "spikes")),
     }
 
 
@@ -227,6 +260,11 @@ def offload(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def nan_skips(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [per_rank["nan"] for per_rank in ranks]
+
+
+@pytest.fixture(scope="module")
+def spikes(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [per_rank["spikes"] for per_rank in ranks]
 
 
 # ---------------------------------------------------------------- tests
@@ -301,3 +339,20 @@ def test_nan_loss_is_skipped_on_every_rank_with_state_bitwise_unchanged(
     records = nan_skips[0][name]["records"]
     assert [(r["step"], r["skipped"]) for r in records] == [(1, 0), (2, 1)]
     assert records[0]["loss"] is not None and records[1]["loss"] is None  # NaN is written as null
+
+
+def test_a_grad_norm_spike_is_skipped_before_the_update_on_fsdp2_and_reported_on_deepspeed(
+    spikes: list[dict[str, Any]],
+) -> None:
+    """FSDP2 knows the global grad norm before its optimizer steps, so the guard's policy `skip` holds
+    for a grad-norm spike too: state bitwise unchanged on every rank. DeepSpeed computes the norm inside
+    its step: the spike is counted and reported, the (clipped) update applied."""
+    for per_rank in spikes:
+        fsdp2, deepspeed = per_rank["fsdp2"], per_rank["deepspeed"]
+        assert fsdp2["changed_by_spike"] == [] and fsdp2["skipped_total"] == 1 and fsdp2["spikes_total"] == 1
+        assert deepspeed["changed_by_spike"] and deepspeed["skipped_total"] == 0
+        assert deepspeed["spikes_total"] == 1
+    for engine, skipped in (("fsdp2", 1), ("deepspeed", 0)):
+        last = spikes[0][engine]["records"][-1]
+        assert (last["step"], last["skipped"], last["spikes"]) == (SPIKE_STEP + 1, skipped, 1), engine
+        assert last["grad_norm"] > 100 * spikes[0][engine]["records"][-2]["grad_norm"], engine

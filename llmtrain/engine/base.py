@@ -23,6 +23,13 @@ Batch = dict[str, Tensor]
 # Called once per step with (sum of this rank's micro-batch losses, their count) before the update's
 # gradients are reduced; the ranks agree there (one all-reduce in the trainer). True: skip the update.
 BeforeUpdate = Callable[[Tensor, int], bool]
+# Called with the global gradient norm (the same on every rank) by an engine that knows it before the
+# optimizer steps (FSDP2); True: skip the update (the stability guard's grad-norm spike).
+JudgeNorm = Callable[[float], bool]
+
+
+def never_skip(grad_norm: float) -> bool:
+    return False
 
 
 class Engine(ABC):
@@ -41,9 +48,11 @@ class Engine(ABC):
         one only. `skip`: every rank agreed to drop this update (known before the last backward)."""
 
     @abstractmethod
-    def update(self, *, skip: bool) -> float | None:
+    def update(self, *, skip: bool, judge_norm: JudgeNorm = never_skip) -> float | None:
         """Clip, step the optimizer (unless `skip`), clear the gradients; the global gradient norm
-        before clipping (non-finite: the update was dropped), None where the engine cannot know it."""
+        before clipping (non-finite: the update was dropped), None where the engine cannot know it.
+        An engine that knows the norm before the optimizer steps asks `judge_norm` whether to skip;
+        DeepSpeed computes it inside its step, so there the guard can only report a spike."""
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -73,7 +82,11 @@ class Engine(ABC):
     # ------------------------------------------------ one optimizer step, one evaluation
 
     def run_step(
-        self, micro_batches: list[Batch], on_loss: Callable[[Tensor], Tensor], before_update: BeforeUpdate
+        self,
+        micro_batches: list[Batch],
+        on_loss: Callable[[Tensor], Tensor],
+        before_update: BeforeUpdate,
+        judge_norm: JudgeNorm = never_skip,
     ) -> float | None:
         """Forward and backward each micro-batch, then update; returns the grad norm. `before_update`
         comes before the last backward, so a skip is known before gradients are reduced. `on_loss`
@@ -88,7 +101,7 @@ class Engine(ABC):
         losses.append(loss.detach())
         skip = before_update(torch.stack(losses).double().sum(), len(losses))
         self.backward(loss, last=True, skip=skip)
-        return self.update(skip=skip)
+        return self.update(skip=skip, judge_norm=judge_norm)
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> float:

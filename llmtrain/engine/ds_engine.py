@@ -17,7 +17,7 @@ from torch import Tensor
 
 from llmtrain import checkpoint
 from llmtrain.config import TrainConfig
-from llmtrain.engine.base import Batch, Engine
+from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.model import build_model
 from llmtrain.parallel.layout import process_groups
 
@@ -69,7 +69,7 @@ class DeepSpeedEngine(Engine):
         if not last:
             self.ds.step()  # DeepSpeed counts micro-steps here; no update before the boundary
 
-    def update(self, *, skip: bool) -> float | None:
+    def update(self, *, skip: bool, judge_norm: JudgeNorm = never_skip) -> float | None:
         if not self.plain_optimizer:
             self.ds.step()
             return self._engine_grad_norm()

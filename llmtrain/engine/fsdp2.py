@@ -27,7 +27,7 @@ from torch import Tensor
 from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.reading import checkpoint_dir
 from llmtrain.config import TrainConfig
-from llmtrain.engine.base import Batch, Engine
+from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import HeldStates, param_groups
 from llmtrain.model import Llama, build_model
 from llmtrain.parallel.rules import batch_triple
@@ -97,12 +97,14 @@ class FSDP2Engine(Engine):
         self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
         (loss / self.accumulation).backward()
 
-    def update(self, *, skip: bool) -> float | None:
+    def update(self, *, skip: bool, judge_norm: JudgeNorm = never_skip) -> float | None:
+        """The norm is known here before the optimizer steps, so a grad-norm spike can still skip."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
         total = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if not skip and math.isfinite(total):  # a non-finite norm drops the update, as DeepSpeed does
+        # A non-finite norm drops the update, as DeepSpeed's overflow check does.
+        if not skip and math.isfinite(total) and not judge_norm(total):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total

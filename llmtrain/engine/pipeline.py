@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig, TrainConfig
-from llmtrain.engine.base import Batch, BeforeUpdate
+from llmtrain.engine.base import Batch, BeforeUpdate, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import DeepSpeedEngine, param_groups
 from llmtrain.engine.pipe_schedules import SCHEDULES, AgreeOnUpdate
 from llmtrain.model import (
@@ -316,7 +316,11 @@ class PipelineEngine(DeepSpeedEngine):
     refuses them in pipeline mode)."""
 
     def run_step(
-        self, micro_batches: list[Batch], on_loss: Callable[[Tensor], Tensor], before_update: BeforeUpdate
+        self,
+        micro_batches: list[Batch],
+        on_loss: Callable[[Tensor], Tensor],
+        before_update: BeforeUpdate,
+        judge_norm: JudgeNorm = never_skip,
     ) -> float | None:
         """The loss exists on the last stage only, so `on_loss` sees each rank's share of the step's sum."""
         self.ds.before_update = lambda loss_sum, count: before_update(on_loss(loss_sum), count)

@@ -225,14 +225,22 @@ class Trainer:
         lr = schedule.lr_for(self.cfg, self.counters.step)
         self.engine.set_lr(lr)
         agreed: list[Agreement] = []
+        judged_before_update: list[Verdict] = []
 
         def before_update(loss_sum: torch.Tensor, count: int) -> bool:
             agreed.append(self._agreement(loss_sum, count))
             return agreed[0].verdict.skip
 
-        grad_norm = self.engine.run_step(micro_batches, self._on_loss, before_update)
+        def judge_norm(grad_norm: float) -> bool:
+            """The guard on the global grad norm, before the update (engines that know it then)."""
+            judged_before_update.append(self.guard.judge(agreed[0].loss, grad_norm))
+            return judged_before_update[0].skip
+
+        grad_norm = self.engine.run_step(micro_batches, self._on_loss, before_update, judge_norm)
         verdict = agreed[0].verdict
-        if not verdict.skip:
+        if judged_before_update:
+            verdict = judged_before_update[0]
+        elif not verdict.skip:
             verdict = self._judge_after_update(agreed[0].loss, grad_norm)
         self.hooks.after_step(self.counters.step)
         return StepResult(agreed[0].loss, grad_norm, lr, verdict, agreed[0].save_due, agreed[0].stop)
