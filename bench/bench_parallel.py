@@ -24,21 +24,18 @@ Measured per layout:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.bench_train import THREADS, measure_step_memory, random_batches
-from bench.ranks import free_port, rank_env
+from bench.ranks import RankGroup, all_ready
 
 WORLD_SIZE = 2
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "sp2": (1, 2)}  # name -> (tp, sp)
@@ -46,7 +43,6 @@ BUDGET_LAYOUTS = ("dp2", "sp2")  # whose step peak is measured at every --memory
 # A fitted seq_len is rounded down to a multiple of this: the fit is not finer, and the result stays
 # divisible by sp.
 SEQ_LEN_STEP = 64
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -176,80 +172,19 @@ def worker(setup: Setup) -> None:
 # ---------------------------------------------------------------- the parent side
 
 
-class Pair:
-    """The two ranks of one layout; every command goes to both, and both answer."""
+class Pair(RankGroup):
+    """The two ranks of one layout, and the step times and losses measured on them."""
 
     def __init__(self, setup: Setup, log_dir: Path) -> None:
-        self.setup = setup
-        port = free_port()
-        self.logs = [log_dir / f"{setup.name}-rank{rank}.log" for rank in range(WORLD_SIZE)]
-        self.procs = [self._start(rank, port) for rank in range(WORLD_SIZE)]
+        super().__init__("bench.bench_parallel", setup, WORLD_SIZE, log_dir)
         self.times: list[float] = []
         self.losses: list[float] = []
-
-    def _start(self, rank: int, port: int) -> subprocess.Popen[str]:
-        env = rank_env(rank, WORLD_SIZE, port)
-        with open(self.logs[rank], "w") as log:  # the worker keeps its own copy of the descriptor
-            return subprocess.Popen(
-                [sys.executable, "-m", "bench.bench_parallel", "--worker", json.dumps(asdict(self.setup))],
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-
-    def send(self, command: str) -> None:
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(command + "\n")
-            proc.stdin.flush()
-
-    def replies(self) -> list[dict[str, Any]]:
-        out = []
-        for rank, proc in enumerate(self.procs):
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                tail = "".join(self.logs[rank].read_text().splitlines(keepends=True)[-30:])
-                raise RuntimeError(f"bench worker {self.setup.name} rank {rank} died:\n{tail}")
-            out.append(json.loads(line))
-        return out
-
-    def ask(self, command: str) -> list[dict[str, Any]]:
-        self.send(command)
-        return self.replies()
 
     def step(self) -> None:
         """One optimizer step on both ranks; the step takes as long as its slower rank."""
         replies = self.ask("step")
         self.times.append(max(r["seconds"] for r in replies))
         self.losses.append(replies[0]["loss"])
-
-    def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self.send("quit")
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-@contextlib.contextmanager
-def pairs(setups: list[Setup], log_dir: Path) -> Iterator[list[Pair]]:
-    started: list[Pair] = []
-    try:
-        for setup in setups:
-            started.append(Pair(setup, log_dir))
-        for pair in started:
-            pair.replies()  # ready
-        yield started
-    finally:
-        for pair in started:
-            pair.close()
 
 
 @dataclass(frozen=True)
@@ -266,7 +201,7 @@ class Measured:
 
 def measure(setups: list[Setup], args: argparse.Namespace, log_dir: Path) -> list[Measured]:
     """Interleaved timed steps of every layout, then each one's model states and step peaks."""
-    with pairs(setups, log_dir) as group:
+    with all_ready(Pair(setup, log_dir) for setup in setups) as group:
         for round_ in range(args.warmup + args.steps):
             for pair in group if round_ % 2 == 0 else reversed(group):
                 pair.step()

@@ -54,12 +54,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_train import THREADS, random_batches
-from bench.ranks import free_port, rank_env
+from bench.ranks import REPO, free_port, rank_env, write_result
 from llmtrain.memory.pipeline import SCHEDULES  # the config's schedule names
 
 PP = 2  # stages, one process each: the world
 COMPUTE = ("ForwardPass", "BackwardPass")
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "bench" / "results" / "pipeline.json"
 WORKER_TIMEOUT_S = 1200.0
 
@@ -531,10 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "gpipe_over_1f1b": compared,
         "seconds": time.perf_counter() - started,
     }
-    print(json.dumps(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
     return result
 
 

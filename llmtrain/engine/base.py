@@ -35,6 +35,7 @@ def never_skip(grad_norm: float) -> bool:
 class Engine(ABC):
     optimizer: Any  # param_groups carry the lr; the update's state lives here
     device: torch.device
+    wrapper: torch.nn.Module  # the outermost module (DeepSpeed's engine, the fully_shard'ed model)
 
     # ------------------------------------------------ the five steps of an update
 
@@ -58,9 +59,13 @@ class Engine(ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    @abstractmethod
     def eval_loss(self, batch: Batch) -> float:
-        """The mean loss of one validation micro-batch, no gradients."""
+        """The mean loss of one validation micro-batch, no gradients, in eval mode."""
+        self.wrapper.eval()
+        try:
+            return float(self.forward(batch))
+        finally:
+            self.wrapper.train()
 
     # ------------------------------------------------ checkpoints (driven by llmtrain.checkpoint)
 

@@ -52,7 +52,7 @@ class DeepSpeedEngine(Engine):
     overflow check then drops it on every rank."""
 
     def __init__(self, ds: Any, device: torch.device, plain_optimizer: bool = False) -> None:
-        self.ds, self.device = ds, device
+        self.ds, self.device, self.wrapper = ds, device, ds
         self.optimizer = ds.optimizer
         # Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own.
         self.plain_optimizer = plain_optimizer
@@ -90,13 +90,6 @@ class DeepSpeedEngine(Engine):
         if norm is None:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
-
-    def eval_loss(self, batch: Batch) -> float:
-        self.ds.eval()
-        try:
-            return float(self.ds(**self.to_device(batch)))
-        finally:
-            self.ds.train()
 
     def save(self, staging_root: Path, tag: str) -> tuple[list[str], list[Path]]:
         return checkpoint.write_deepspeed_files(self.ds, staging_root, tag)

@@ -85,7 +85,7 @@ class FSDP2Engine(Engine):
         zero_stage: int,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.module = model
+        self.module = self.wrapper = model
         self.accumulation, self.grad_clip, self.zero_stage = accumulation, grad_clip, zero_stage
 
     def forward(self, batch: Batch) -> Tensor:
@@ -108,15 +108,6 @@ class FSDP2Engine(Engine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total
-
-    def eval_loss(self, batch: Batch) -> float:
-        self.model.eval()
-        try:
-            return float(self.model(**self.to_device(batch)))
-        finally:
-            self.model.train()
-
-    # ------------------------------------------------ checkpoints
 
     def _state(self) -> dict[str, Any]:
         """The model's and optimizer's sharded state dicts (DTensors), by parameter names."""
