@@ -153,7 +153,8 @@ def config_cmd(
         bool, typer.Option("--list-keys", help="List every config key with its help.")
     ] = False,
 ) -> None:
-    """Print the DeepSpeed JSON config the flags produce (what `train` would hand to DeepSpeed)."""
+    """Print the DeepSpeed JSON config the flags produce (what `train` would hand to DeepSpeed), or
+    under --engine fsdp2 the FSDP2 plan (units, policies, optimizer, batch)."""
     if list_keys:
         _print_keys()
         return
@@ -168,6 +169,11 @@ def config_cmd(
     world = world_size if world_size is not None else cfg.world_size
     if world < 1:
         raise ConfigError(f"--world-size: must be at least 1, got {world}")
+    if cfg.train.engine == "fsdp2":
+        from llmtrain.engine import fsdp2_plan
+
+        _emit(json.dumps(fsdp2_plan.build(cfg, world), indent=2) + "\n", out)
+        return
     ds = dsconfig.build(cfg, world, accelerator=select_accelerator())
     _emit(json.dumps(ds, indent=2) + "\n", out)
     layout = cfg.layout(world)

@@ -1,7 +1,8 @@
 """The run directory: everything needed to understand and resume a run.
 
 RUN_DIR/config.yaml       the frozen TrainConfig (written by run.prepare.freeze; workers and `resume` read it)
-RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize
+RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize (--engine deepspeed)
+RUN_DIR/fsdp2_plan.json   FSDP2's units, policies, optimizer and batch (--engine fsdp2)
 RUN_DIR/environment.json  library versions, git sha, hardware, world size
 RUN_DIR/metrics.jsonl     one record per logged step (train/metrics.py)
 RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (the checkpoint package)
@@ -25,6 +26,7 @@ from llmtrain.fsutil import write_atomic
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
+FSDP2_PLAN_FILE = "fsdp2_plan.json"
 ENVIRONMENT_FILE = "environment.json"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
@@ -71,11 +73,12 @@ def load_saved_config(run_dir: Path) -> TrainConfig:
     return load_run_config(path)
 
 
-def write_run_files(run_dir: Path, ds_config: dict[str, Any] | None, world_size: int) -> None:
-    """Rank 0 only: ds_config.json (DeepSpeed runs) and environment.json, each written atomically."""
+def write_run_files(run_dir: Path, engine_config: dict[str, Any], world_size: int) -> None:
+    """Rank 0 only: the engine's settings (ds_config.json, or fsdp2_plan.json) and environment.json,
+    each written atomically."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if ds_config is not None:
-        write_atomic(run_dir / DS_CONFIG_FILE, json.dumps(ds_config, indent=2) + "\n")
+    name = FSDP2_PLAN_FILE if engine_config.get("engine") == "fsdp2" else DS_CONFIG_FILE
+    write_atomic(run_dir / name, json.dumps(engine_config, indent=2) + "\n")
     write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
 
 

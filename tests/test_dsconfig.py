@@ -1,4 +1,5 @@
-"""DeepSpeed config generation: the reference files, the batch triple, and DeepSpeed accepting them."""
+"""DeepSpeed config generation: the reference files, the batch triple, and DeepSpeed accepting them;
+`config` printing them (and, under --engine fsdp2, FSDP2's plan instead)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,18 @@ def test_config_command_rejects_bad_input_with_one_line(args: list[str], needle:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_config_command_under_fsdp2_prints_the_fsdp2_plan_not_a_deepspeed_config() -> None:
+    out = _cli(
+        "config", "--preset", "debug", "--engine", "fsdp2", "--zero", "2", "--offload", "cpu", "--gpus", "2"
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert "zero_optimization" not in plan and plan["engine"] == "fsdp2"
+    units = plan["fully_shard"]
+    assert units["units"] == ["layers.0", "layers.1", "root"]  # the debug preset's two blocks, then the root
+    assert (units["reshard_after_forward"], units["offload_policy"]) == (False, "cpu")
+    assert units["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    # The default global batch: one micro-batch of 8 per data-parallel rank.
+    assert (plan["train_batch_size"], plan["gradient_accumulation_steps"]) == (16, 1)

@@ -57,6 +57,8 @@ def test_the_checkpoint_is_a_distributed_checkpoint_with_a_shard_per_rank(runs: 
     manifest = json.loads((runs["fsdp2"] / "checkpoints" / TAG / "manifest.json").read_text())
     assert (manifest["engine"], manifest["zero_stage"], manifest["world_size"]) == ("fsdp2", 3, 2)
     assert not manifest["partitioned"]  # another world size loads it directly: no conversion
+    plan = json.loads((runs["fsdp2"] / "fsdp2_plan.json").read_text())  # what the engine was built with
+    assert plan["fully_shard"]["reshard_after_forward"] and not (runs["fsdp2"] / "ds_config.json").exists()
 
 
 def test_consolidated_weights_equal_deepspeeds(runs: dict[str, Path]) -> None:

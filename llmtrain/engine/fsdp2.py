@@ -27,51 +27,50 @@ from torch import Tensor
 from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.reading import checkpoint_dir
 from llmtrain.config import TrainConfig
+from llmtrain.engine import fsdp2_plan
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import HeldStates, param_groups
 from llmtrain.model import Llama, build_model
-from llmtrain.parallel.rules import batch_triple
 
 
 def build_engine(cfg: TrainConfig, device: torch.device, world_size: int, accelerator: str) -> FSDP2Engine:
     """Every rank builds the whole model from the same seed, then fully_shard keeps its shards (so a
     run starts from exactly the weights of a one-process run), and AdamW gets the same weight-decay
-    groups as on DeepSpeed."""
+    groups as on DeepSpeed; every setting comes from fsdp2_plan.build."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    plan = fsdp2_plan.build(cfg, world_size)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
-    if cfg.train.compile:
+    model.set_activation_checkpointing(plan["activation_checkpointing"], cfg.train.checkpoint_every_k)
+    if plan["compile_blocks"]:
         model.compile_blocks()
-    mesh = init_device_mesh(accelerator, (world_size,))
-    precision = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if cfg.train.precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    units = plan["fully_shard"]
+    dtypes = {key: getattr(torch, name) for key, name in units["mp_policy"].items() if name is not None}
     offload = (
-        CPUOffloadPolicy(pin_memory=accelerator == "cuda") if cfg.zero.offload == "cpu" else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=accelerator == "cuda")
+        if units["offload_policy"] == "cpu"
+        else OffloadPolicy()
     )
     shard: dict[str, Any] = {
-        "mesh": mesh,
-        "reshard_after_forward": cfg.zero.stage == 3,
-        "mp_policy": precision,
+        "mesh": init_device_mesh(accelerator, (world_size,)),
+        "reshard_after_forward": units["reshard_after_forward"],
+        "mp_policy": MixedPrecisionPolicy(**dtypes),
         "offload_policy": offload,
     }
     for block in model.layers:
         fully_shard(block, **shard)
-    fully_shard(model, **shard)  # the embedding, final norm and output layer: one unit
-    o = cfg.optim
+    fully_shard(model, **shard)  # the root unit: the embedding, final norm and output layer
+    o = plan["optimizer"]
     optimizer = torch.optim.AdamW(
-        param_groups(model.named_parameters(), o.weight_decay),
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        foreach=False,  # the per-parameter loop of DeepSpeed's torch AdamW: the same arithmetic
+        param_groups(model.named_parameters(), o["weight_decay"]),
+        lr=o["lr"],
+        betas=tuple(o["betas"]),
+        eps=o["eps"],
+        foreach=o["foreach"],  # False: the per-parameter loop of DeepSpeed's torch AdamW, the same arithmetic
     )
-    _, _, accumulation = batch_triple(cfg.train.micro_batch, cfg.train.global_batch, cfg.data_parallel)
-    return FSDP2Engine(model, optimizer, device, accumulation, cfg.optim.grad_clip, cfg.zero.stage)
+    accumulation, clip = plan["gradient_accumulation_steps"], plan["gradient_clipping"]
+    return FSDP2Engine(model, optimizer, device, accumulation, clip, cfg.zero.stage)
 
 
 class FSDP2Engine(Engine):

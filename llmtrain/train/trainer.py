@@ -25,7 +25,7 @@ from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
 from llmtrain.data.shards import PreparedData
-from llmtrain.engine import dsconfig
+from llmtrain.engine import dsconfig, fsdp2_plan
 from llmtrain.engine.base import Engine
 from llmtrain.engine.build import build_engine
 from llmtrain.errors import RunFailure
@@ -114,7 +114,8 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     if cfg.train.engine == "deepspeed":
         ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
     if world.is_main:
-        rundir.write_run_files(run_dir, ds_config, world.world_size)
+        engine_config = ds_config or fsdp2_plan.build(cfg, world.world_size)
+        rundir.write_run_files(run_dir, engine_config, world.world_size)
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
         rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
