@@ -209,7 +209,7 @@ class Runner:
         self.schedule, self.m = schedule, m
         self.device = world.device
         ds_config = dsconfig.build(cfg, world.world_size, world.accelerator)
-        self.engine = pipeline.build_engine(cfg, ds_config, world.device).ds
+        self.engine = pipeline.build_engine(cfg, ds_config, world.device, world.world_size).ds
         assert self.engine.micro_batches == m, (self.engine.micro_batches, m)
         self.stage = int(self.engine.stage_id)
         self.totals: dict[str, float] = defaultdict(float)

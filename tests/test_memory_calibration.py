@@ -150,7 +150,7 @@ def _measure_engines(
     # Before LAYOUT_CASES: their tp and sp groups stay in DeepSpeed's globals (the pipeline's are its own).
     for pipe_case in pipeline_cases:
         cfg = _pipeline_config(*pipe_case)
-        engine = pipeline.build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu")).ds
+        engine = pipeline.build_engine(cfg, dsconfig.build(cfg, world, "cpu"), torch.device("cpu"), world).ds
         stage_id = engine.stage_id
         measured[_key(pipe_case)] = (stage_id, _held_before_second_update(engine))
     for stage, offload, precision, tp, sp in layout_cases:

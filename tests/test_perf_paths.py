@@ -218,4 +218,4 @@ def test_one_agreement_read_per_optimizer_step_not_per_micro_batch(tmp_path: Pat
 
     per_rank = run_distributed(_count_host_reads, 2, str(tmp_path), timeout=300)
     for steps in per_rank:
-        assert steps == [{"trainer._agree": 1, "trainer._engine_grad_norm": 1}] * 3
+        assert steps == [{"trainer._agree": 1, "ds_engine._engine_grad_norm": 1}] * 3

@@ -81,8 +81,7 @@ class Engine(ABC):
 
     @abstractmethod
     def checkpoint_facts(self) -> dict[str, Any]:
-        """What the manifest records of the format: engine, zero_stage, and `partitioned` (per-rank
-        optimizer shards that another world size must convert first)."""
+        """What the manifest records of the engine: `engine` (whose format) and `zero_stage`."""
 
     # ------------------------------------------------ one optimizer step, one evaluation
 

@@ -15,5 +15,5 @@ def build_engine(cfg: TrainConfig, world: World, ds_config: dict[str, Any] | Non
     if ds_config is None:
         return fsdp2.build_engine(cfg, world.device, world.world_size, world.accelerator)
     if cfg.parallel.pp > 1:
-        return pipeline.build_engine(cfg, ds_config, world.device)
+        return pipeline.build_engine(cfg, ds_config, world.device, world.world_size)
     return ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)

@@ -49,6 +49,7 @@ from llmtrain.model import (
     rope_cos_sin,
 )
 from llmtrain.parallel import stages
+from llmtrain.parallel.layout import process_groups
 
 TIED_KEY = "embed"
 
@@ -297,11 +298,15 @@ def _accumulated_gradients(engine: Any) -> Iterator[Tensor]:
             yield param.grad
 
 
-def build_engine(cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device) -> PipelineEngine:
-    """This rank's pipeline stage in DeepSpeed's PipelineEngine (the module brings its own process
-    groups), running the configured schedule."""
+def build_engine(
+    cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device, world_size: int
+) -> PipelineEngine:
+    """This rank's pipeline stage in DeepSpeed's PipelineEngine (the module builds its own process
+    groups, over DeepSpeed's communication layer: process_groups adopts torch's group into it), running
+    the configured schedule."""
     import deepspeed
 
+    process_groups(cfg.layout(world_size))
     pipe = build_pipeline(cfg, device)
     groups = param_groups(named_parameters(pipe), cfg.optim.weight_decay)
     engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
