@@ -26,6 +26,7 @@ from llmtrain import config as config_mod
 from llmtrain.config import ConfigError
 from llmtrain.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILURE, BadInput, RunFailure
 from llmtrain.flags import FLAG_KEYS
+from llmtrain.fsutil import check_output_file
 
 app = typer.Typer(
     name="llmtrain",
@@ -140,6 +141,7 @@ def resolve_config(cfg_args: dict[str, Any]) -> config_mod.TrainConfig:
 def config_cmd(
     cfg_args: dict[str, Any],
     out: Annotated[Path | None, typer.Option("--out", help="Write the JSON here instead of stdout.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     world_size: Annotated[
         int | None,
         typer.Option(
@@ -162,6 +164,8 @@ def config_cmd(
     from llmtrain.parallel.distributed import select_accelerator
     from llmtrain.parallel.stages import bubble_fraction
 
+    if out is not None:
+        check_output_file(out, "--out", force)
     cfg = resolve_config(cfg_args)
     if resolved:
         _emit(config_mod.dump_yaml(cfg), out)
@@ -473,9 +477,12 @@ def tokenizer_train_cmd(
     text_field: Annotated[str, typer.Option("--text-field", help="Field holding the text.")] = "text",
     hub_config: Annotated[str | None, typer.Option("--hub-config", help="Hub dataset config.")] = None,
     streaming: Annotated[bool, typer.Option("--streaming", help="Stream a Hub dataset.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
 ) -> None:
     """Train a byte-level BPE tokenizer (special tokens <|endoftext|> and <|pad|>) on a source."""
     from llmtrain.data.tokenizer import train_tokenizer_from_source
+
+    check_output_file(out, "--out", force)
 
     print(
         train_tokenizer_from_source(

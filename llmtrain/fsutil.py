@@ -1,10 +1,13 @@
-"""Crash-safe file writes shared by run files, prepared data and checkpoints."""
+"""Crash-safe file writes shared by run files, prepared data and checkpoints, and the one rule for a
+file a verb writes at a path the user gave."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from pathlib import Path
+
+from llmtrain.errors import ConfigError
 
 
 def fsync_dir(directory: Path) -> None:
@@ -26,3 +29,12 @@ def write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def check_output_file(path: Path, flag: str, force: bool) -> None:
+    """A verb writing one file at `path` never replaces what is there unless told to (`--force`), and
+    never a directory: refused in one line before any work is done."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give the path of a file to write")
+    if path.exists() and not force:
+        raise ConfigError(f"{flag} {path}: already exists; nothing was changed; pass --force to replace it")

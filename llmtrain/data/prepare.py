@@ -7,7 +7,9 @@ Nothing is dropped, truncated or padded. Which documents are validation document
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -157,8 +159,10 @@ def prepare_data(
     parallel_min_bytes: int = PARALLEL_MIN_BYTES,
     flag: str = "SOURCE",
     tokenizer_flag: str = "--tokenizer",
+    out_flag: str = "--out",
 ) -> Manifest:
-    """Tokenize `source` into shards under `out_dir`; write manifest.json last and return it."""
+    """Tokenize `source` into shards under `out_dir`; write manifest.json last and return it. A
+    directory holding anything prepare-data did not write is refused before anything is touched."""
     started = time.perf_counter()
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"--val-fraction {val_fraction}: must be in [0, 1)")
@@ -170,9 +174,47 @@ def prepare_data(
         source, text_field=text_field, hub_config=hub_config, streaming=streaming, flag=flag
     )
     out = Path(out_dir).expanduser()
+    refuse_foreign_files(out, out_flag)
     run = _Run(tok, eot, chosen_dtype, out, val_fraction, split_seed, _want_progress(show_progress))
     splits = run.prepare(docs, num_proc, parallel_min_bytes, where=f"{flag} {source}")
     return run.commit(source, fingerprint, text_field, splits, started)
+
+
+# What prepare-data writes into its directory: shards, the tokenizer, the manifest (and write_atomic's
+# temporary files, left only by a crash).
+_OWN_FILE = re.compile(
+    r"(train|val)-\d{5}\.bin|tokenizer\.json|manifest\.json|\.tokenizer\.json\.\d+\.tmp|\.manifest\.json\.tmp\d+"
+)
+
+
+def refuse_foreign_files(out: Path, flag: str) -> None:
+    """`out` may be absent, empty, or hold a previous (possibly interrupted) preparation; anything else
+    is the user's and is refused in one line, nothing touched: a file of another name, a manifest.json
+    that is not prepare-data's, or a lone tokenizer.json (a tokenizer's own folder, not a preparation)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{flag} {out}: not a directory; give a new or empty directory for the shards")
+    names = sorted(p.name for p in out.iterdir())
+    foreign = [name for name in names if not _OWN_FILE.fullmatch(name)]
+    if not foreign and MANIFEST in names and not _written_by_prepare(out / MANIFEST):
+        foreign = [MANIFEST]
+    if not foreign and names == [TOKENIZER]:
+        foreign = names
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"{flag} {out}: holds files prepare-data did not write ({listed}); nothing was changed; "
+            "give a new or empty directory"
+        )
+
+
+def _written_by_prepare(path: Path) -> bool:
+    try:
+        Manifest.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
 
 
 def _clear_prepared(out: Path) -> None:
