@@ -389,6 +389,15 @@ def test_latest_through_a_symlink_outside_is_refused(tmp_path):
         ckpt.read_latest(root)
 
 
+def test_a_symlinked_latest_is_refused_even_when_it_names_a_valid_tag(tmp_path):
+    root = tmp_path / "ckpts"
+    (root / "step_00000001").mkdir(parents=True)
+    (tmp_path / "elsewhere").write_text("step_00000001")
+    (root / "latest").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        ckpt.read_latest(root)
+
+
 # ---------------------------------------------------------------- nothing from a checkpoint runs code
 
 

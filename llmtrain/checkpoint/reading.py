@@ -28,6 +28,8 @@ from llmtrain.checkpoint.common import (
 def read_latest(ckpt_root: Path) -> str | None:
     """The tag `latest` names, validated: `step_NNNNNNNN`, a directory inside ckpt_root. None if absent."""
     path = Path(ckpt_root) / LATEST
+    if path.is_symlink():  # llmtrain writes `latest` as a plain file (atomically): a link is not its own
+        raise CheckpointError(f"{path}: is a symbolic link, not the file llmtrain writes; refusing it")
     if not path.is_file():
         return None
     tag = path.read_text(encoding="utf-8", errors="replace").strip()
