@@ -36,17 +36,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.bench_train import THREADS, measure_step_memory, random_batches
-from bench.ranks import REPO, RankGroup, all_ready, write_result
+from bench.ranks import REPO, RankGroup, all_ready, serve_commands, write_result
 
 if TYPE_CHECKING:
     from llmtrain.engine.ds_engine import HeldStates
@@ -193,24 +193,18 @@ def answer(runner: Runner, command: str) -> dict[str, Any]:
 
 
 def worker(setup: Setup) -> None:
-    """Build the engine, say `ready`, then answer `step`, `states`, `memory` and `losses` until `quit`.
-
-    Replies go to the original stdout as JSON lines; everything libraries print goes to stderr.
-    """
+    """Build the engine, then answer `step`, `states`, `memory` and `losses` until `quit` (ranks.serve_commands)."""
     import torch
 
     from llmtrain.parallel import distributed
 
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
     torch.set_num_threads(THREADS)
-    runner = Runner(setup)
-    replies.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "quit":
-            break
-        replies.write(json.dumps(answer(runner, command)) + "\n")
+
+    def build() -> Callable[[str, list[str]], dict[str, Any]]:
+        runner = Runner(setup)
+        return lambda command, args: answer(runner, command)
+
+    serve_commands(build)
     distributed.shutdown()  # barrier and destroy_process_group: without them gloo aborts at exit now and then
 
 

@@ -25,17 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.bench_train import THREADS, measure_step_memory, random_batches
-from bench.ranks import RankGroup, all_ready
+from bench.ranks import RankGroup, all_ready, serve_commands
 
 WORLD_SIZE = 2
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "sp2": (1, 2)}  # name -> (tp, sp)
@@ -148,24 +148,19 @@ def answer(runner: Runner, setup: Setup, command: str, args: list[str]) -> dict[
 
 
 def worker(setup: Setup) -> None:
-    """Build the layout's engine, say `ready`, then answer `step`, `states` and `memory SEQ_LEN` until `quit`.
-
-    Replies go to the original stdout as JSON lines; everything libraries print goes to stderr.
-    """
+    """Build the layout's engine, then answer `step`, `states` and `memory SEQ_LEN` until `quit`
+    (ranks.serve_commands)."""
     import torch
 
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    torch.set_num_threads(THREADS)
-    runner = Runner(setup)
-    replies.write(json.dumps({"ready": True}) + "\n")
-    for line in sys.stdin:
-        command, *args = line.split()
-        if command == "quit":
-            break
-        replies.write(json.dumps(answer(runner, setup, command, args)) + "\n")
     from llmtrain.parallel import distributed
 
+    torch.set_num_threads(THREADS)
+
+    def build() -> Callable[[str, list[str]], dict[str, Any]]:
+        runner = Runner(setup)
+        return lambda command, args: answer(runner, setup, command, args)
+
+    serve_commands(build)
     distributed.shutdown()  # barrier and destroy_process_group: without them gloo aborts at exit now and then
 
 

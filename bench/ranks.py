@@ -1,6 +1,7 @@
 """What the multi-process benchmarks share: a free rendezvous port, the environment torch.distributed
 reads (as a launcher would set it, all ranks on this machine), the rank processes of one setup driven
-over their stdin and stdout (`RankGroup`), and writing a result file."""
+over their stdin and stdout (`RankGroup` on the parent's side, `serve_commands` on the rank's), and
+writing a result file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -91,6 +92,21 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def serve_commands(build: Callable[[], Callable[[str, list[str]], dict[str, Any]]]) -> None:
+    """A rank's side of RankGroup: build what answers (`build()`, after stdout is redirected), say
+    `ready`, then answer each `COMMAND [ARGS...]` line with one JSON line until `quit`. Replies go to
+    the original stdout; everything libraries print goes to stderr."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    answer = build()
+    replies.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "quit":
+            break
+        replies.write(json.dumps(answer(command, args)) + "\n")
 
 
 Group = TypeVar("Group", bound=RankGroup)
