@@ -4,7 +4,7 @@ memory per rank and the losses, in one run.
 `python -m bench engines` (defaults) or `python -m bench.bench_engines [--preset ...]` (flags below).
 The same model, data and batch on both engines, world size 2 (gloo on CPU), each engine in its own pair
 of processes (DeepSpeed's state is per-process and global), built as `llmtrain train` builds it:
-`dsconfig.build` + `ds_engine.build_engine`, or `fsdp2.build_engine`. Both are driven through the
+`engine.build.engine_config` + `engine.build.build_engine`. Both are driven through the
 engine interface the trainer drives (set_lr, forward, backward(last=True), update), one micro-batch per
 rank per step, a constant LR. Each rank trains on its own random batches, the same on both engines.
 The two pairs take steps in turn (A B, B A, ...), so load from other work on the machine falls on both
@@ -109,12 +109,9 @@ def _config(setup: Setup) -> Any:
 
 def _build(cfg: Any, world: Any) -> Any:
     """The engine exactly as `llmtrain train` builds it (train.trainer.build_trainer)."""
-    from llmtrain.engine import ds_engine, dsconfig, fsdp2
+    from llmtrain.engine.build import build_engine, engine_config
 
-    if cfg.train.engine == "fsdp2":
-        return fsdp2.build_engine(cfg, world.device, world.world_size, world.accelerator)
-    ds_config = dsconfig.build(cfg, world.world_size, world.accelerator)
-    return ds_engine.build_engine(cfg, ds_config, world.device, world.world_size)
+    return build_engine(cfg, world, engine_config(cfg, world))
 
 
 class Runner:

@@ -27,6 +27,7 @@ from llmtrain.fsutil import write_atomic
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
 FSDP2_PLAN_FILE = "fsdp2_plan.json"
+ENGINE_CONFIG_FILES = {"deepspeed": DS_CONFIG_FILE, "fsdp2": FSDP2_PLAN_FILE}
 ENVIRONMENT_FILE = "environment.json"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
@@ -73,12 +74,11 @@ def load_saved_config(run_dir: Path) -> TrainConfig:
     return load_run_config(path)
 
 
-def write_run_files(run_dir: Path, engine_config: dict[str, Any], world_size: int) -> None:
+def write_run_files(run_dir: Path, engine: str, engine_config: dict[str, Any], world_size: int) -> None:
     """Rank 0 only: the engine's settings (ds_config.json, or fsdp2_plan.json) and environment.json,
     each written atomically."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    name = FSDP2_PLAN_FILE if engine_config.get("engine") == "fsdp2" else DS_CONFIG_FILE
-    write_atomic(run_dir / name, json.dumps(engine_config, indent=2) + "\n")
+    write_atomic(run_dir / ENGINE_CONFIG_FILES[engine], json.dumps(engine_config, indent=2) + "\n")
     write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
 
 

@@ -184,13 +184,15 @@ def _measure_engines(
 ) -> dict[tuple, tuple[int, int]]:
     """Each case's (parameter, model-state) bytes on this rank after an update (AdamW's moments exist)
     and the next backward (gradients held)."""
+    from llmtrain.engine import fsdp2_plan
     from llmtrain.engine.fsdp2 import build_engine, held_model_states
 
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))  # debug vocabulary
     batch = {"input_ids": ids, "labels": ids}
     measured = {}
     for case in cases:
-        engine = build_engine(_config(*case), torch.device("cpu"), world, "cpu")
+        cfg = _config(*case)
+        engine = build_engine(cfg, fsdp2_plan.build(cfg, world), torch.device("cpu"), world, "cpu")
         engine.backward(engine.forward(batch), last=True, skip=False)
         engine.update(skip=False)
         engine.backward(engine.forward(batch), last=True, skip=False)

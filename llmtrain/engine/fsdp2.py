@@ -27,20 +27,20 @@ from torch import Tensor
 from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.reading import checkpoint_dir
 from llmtrain.config import TrainConfig
-from llmtrain.engine import fsdp2_plan
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import HeldStates, param_groups
 from llmtrain.model import Llama, build_model
 
 
-def build_engine(cfg: TrainConfig, device: torch.device, world_size: int, accelerator: str) -> FSDP2Engine:
+def build_engine(
+    cfg: TrainConfig, plan: dict[str, Any], device: torch.device, world_size: int, accelerator: str
+) -> FSDP2Engine:
     """Every rank builds the whole model from the same seed, then fully_shard keeps its shards (so a
     run starts from exactly the weights of a one-process run), and AdamW gets the same weight-decay
-    groups as on DeepSpeed; every setting comes from fsdp2_plan.build."""
+    groups as on DeepSpeed; every setting comes from `plan` (fsdp2_plan.build)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    plan = fsdp2_plan.build(cfg, world_size)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     model.set_activation_checkpointing(plan["activation_checkpointing"], cfg.train.checkpoint_every_k)
     if plan["compile_blocks"]:
@@ -84,7 +84,7 @@ class FSDP2Engine(Engine):
         zero_stage: int,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.module = self.wrapper = model
+        self.wrapper = model
         self.accumulation, self.grad_clip, self.zero_stage = accumulation, grad_clip, zero_stage
 
     def forward(self, batch: Batch) -> Tensor:

@@ -11,7 +11,6 @@ from llmtrain.parallel import rules
 
 
 def build(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    rules.check(cfg.choice())
     global_batch, micro, accumulation = rules.batch_triple(
         cfg.train.micro_batch, cfg.train.global_batch, cfg.layout(world_size).dp
     )

@@ -25,9 +25,8 @@ from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
 from llmtrain.data.shards import PreparedData
-from llmtrain.engine import dsconfig, fsdp2_plan
 from llmtrain.engine.base import Engine
-from llmtrain.engine.build import build_engine
+from llmtrain.engine.build import build_engine, engine_config
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
@@ -110,16 +109,13 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     if choice is not None:
         check_resume(cfg.layout(world.world_size), choice.info.world_size)
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
-    ds_config = None
-    if cfg.train.engine == "deepspeed":
-        ds_config = dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=universal)
+    settings = engine_config(cfg, world, load_universal=universal)
     if world.is_main:
-        engine_config = ds_config or fsdp2_plan.build(cfg, world.world_size)
-        rundir.write_run_files(run_dir, engine_config, world.world_size)
+        rundir.write_run_files(run_dir, cfg.train.engine, settings, world.world_size)
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
         rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
-    engine = build_engine(cfg, world, ds_config)
+    engine = build_engine(cfg, world, settings)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
         # Saved at another world size: DeepSpeed's universal format re-partitions the states.
