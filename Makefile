@@ -42,7 +42,7 @@ bench: $(VENV_OK)
 soak: $(VENV_OK)
 	$(PY) -m pytest -q -s tests/soak_resume.py
 
-# No install prerequisite: the lent GPU machine cannot fetch packages; the script finds or builds its
+# No install prerequisite: a GPU machine without network access cannot fetch packages; the script finds or builds its
 # environment (see scripts/gpu_check.sh).
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -1,4 +1,4 @@
-"""`make gpu-check`: the prepared check for a lent GPU machine, written as one JSON report.
+"""`make gpu-check`: the prepared check for a GPU machine, written as one JSON report.
 
     python -m bench.gpu_check [--report PATH] [--dry-run] [--only SECTION ...]
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the prepared check for a lent GPU machine (one H200), under 8 minutes.
+# `make gpu-check`: the prepared check for a GPU machine (one H200), under 8 minutes.
 # Writes gpu_check_report.json into $OUT when set, else the repo root (see bench/gpu_check.py).
 #
-# The environment: the project's .venv when it imports torch with CUDA and DeepSpeed. Otherwise (the
-# lent machine: no network, so `make install` cannot fetch torch 2.13.0; its image holds a CUDA build of
+# The environment: the project's .venv when it imports torch with CUDA and DeepSpeed. Otherwise (a
+# GPU machine without network access, where `make install` cannot fetch torch 2.13.0; its image holds a CUDA build of
 # torch for python3), a venv over the system site-packages, with the packages the image lacks
 # (deepspeed, hjson, pydantic, datasets, ...) installed from wheels carried in .whl/ (`bash
 # scripts/gpu_check.sh --wheels` fills it on a machine with pip access; carry `.whl` to the GPU machine).
@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 command -v nvidia-smi >/dev/null 2>&1 && export DS_ACCELERATOR=cuda
 TIME_LIMIT_S=${GPU_CHECK_TIME_LIMIT_S:-470}  # the whole script, set-up included
 
-# Python 3.12 manylinux wheels of what the lent machine's image lacks, pinned to this project's versions.
+# Python 3.12 manylinux wheels of what a GPU machine's image lacks, pinned to this project's versions.
 WHEELS=(hjson==3.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         dill==0.4.1 multiprocess==0.70.19 datasets==5.2.0 deepspeed==0.19.8)
 if [ "${1:-}" = "--wheels" ]; then
