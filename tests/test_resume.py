@@ -9,9 +9,11 @@ compared with ==). World size 2 goes through `--gpus 2`, i.e. DeepSpeed's launch
   fp32, 2 processes, ZeRO 2 SIGTERM to the parent (forwarded to the workers) -> `resume`
   bf16, 2 processes, ZeRO 2 SIGKILL of the whole process tree at seeded random moments, one inside a
                             checkpoint write -> `train --resume auto` after each
+  ZeRO 0, 1, 2, 3, ZeRO 2 + CPU offload, FSDP2
+                            SIGKILL mid-step, two steps past a checkpoint -> `resume`
   2 -> 1 processes          universal conversion; same global samples, continuous loss
-  FSDP2, fp32, 2 processes  SIGTERM -> `resume`; SIGKILL after a checkpoint -> `resume`; 2 -> 1
-  FSDP2, fp32, 1 process    1 -> 2 (DCP reshards: no conversion)
+  1 -> 2 processes          ZeRO 1, 2 (+ CPU offload), 3 through the universal checkpoint; FSDP2 through DCP
+  FSDP2, fp32, 2 processes  SIGTERM -> `resume`; 2 -> 1
   corrupt / unsafe checkpoints and bad input: one line `error: ...`, exit 2
 
 Every CLI call has a timeout and runs in its own session, so a hang kills its whole tree and fails.
@@ -58,11 +60,12 @@ class Setup:
     port: int = 0
     faults: str = ""  # in every run of the configuration, reference included
     engine: str = "deepspeed"
+    offload: str = "none"
 
     def flags(self, run_dir: Path) -> list[str]:
         # Global batch 4: 1 process accumulates 2 micro-batches of 2, 2 processes take one each.
         flags = ["--preset", "debug", "--micro-batch", "2", "--global-batch", "4", "--seq-len", "32"]
-        flags += ["--engine", self.engine]
+        flags += ["--engine", self.engine, "--offload", self.offload]
         flags += ["--log-every", "1", "--steps", str(self.steps), "--save-every", str(self.save_every)]
         flags += ["--zero", str(self.zero), "--precision", self.precision, "--run-dir", str(run_dir)]
         if self.gpus > 1:
@@ -77,6 +80,10 @@ BF16_1 = Setup("bf16_ws1", "bf16", zero=1, gpus=1, steps=10, save_every=5)
 # Two processes step fast: more steps leave room to land a signal or a kill mid-run.
 FP32_2 = Setup("fp32_ws2", "fp32", zero=2, gpus=2, steps=20, save_every=10)
 BF16_2 = Setup("bf16_ws2", "bf16", zero=2, gpus=2, steps=12, save_every=2)
+# Every ZeRO stage and CPU offload once through a SIGKILL and, on one process, a resume on two.
+ZERO0_1 = Setup("zero0_fp32_ws1", "fp32", zero=0, gpus=1, steps=8, save_every=4)
+ZERO3_1 = Setup("zero3_fp32_ws1", "fp32", zero=3, gpus=1, steps=8, save_every=4)
+OFFLOAD_1 = Setup("offload_zero2_fp32_ws1", "fp32", zero=2, gpus=1, steps=8, save_every=4, offload="cpu")
 # FSDP2: the same engine-generic scenarios (signals, kills, another process count, both directions).
 FSDP2_2 = Setup("fsdp2_fp32_ws2", "fp32", zero=3, gpus=2, steps=16, save_every=4, engine="fsdp2")
 FSDP2_1 = Setup("fsdp2_fp32_ws1", "fp32", zero=3, gpus=1, steps=8, save_every=4, engine="fsdp2")
@@ -338,6 +345,21 @@ def ref_bf16_2(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def ref_zero0_1(root: Path) -> Path:
+    return _reference(root, ZERO0_1)
+
+
+@pytest.fixture(scope="module")
+def ref_zero3_1(root: Path) -> Path:
+    return _reference(root, ZERO3_1)
+
+
+@pytest.fixture(scope="module")
+def ref_offload_1(root: Path) -> Path:
+    return _reference(root, OFFLOAD_1)
+
+
+@pytest.fixture(scope="module")
 def ref_fsdp2_2(root: Path) -> Path:
     return _reference(root, FSDP2_2)
 
@@ -536,20 +558,38 @@ def test_sigkill_at_random_moments_then_resume_ends_bitwise_exact(
     assert not leftovers, "a later successful run must clear leftovers of a killed save"
 
 
-def test_sigkill_under_fsdp2_then_resume_is_bitwise_exact(root: Path, ref_fsdp2_2: Path) -> None:
-    setup = replace(FSDP2_2, port=free_port())
-    run_dir = root / "killed_fsdp2_ws2"
-    cli = Cli(["train", *setup.flags(run_dir)], root / "killed_fsdp2.log")
+@pytest.mark.parametrize(
+    "ref_name, setup",
+    [
+        ("ref_zero0_1", ZERO0_1),
+        ("ref_fp32_1", FP32_1),
+        ("ref_fp32_2", FP32_2),
+        ("ref_zero3_1", ZERO3_1),
+        ("ref_offload_1", OFFLOAD_1),
+        ("ref_fsdp2_2", FSDP2_2),
+    ],
+    ids=["zero0", "zero1", "zero2_two_processes", "zero3", "zero2_cpu_offload", "fsdp2_two_processes"],
+)
+def test_sigkill_mid_step_then_resume_is_bitwise_exact(
+    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup
+) -> None:
+    """Killed inside the step two past a checkpoint (rank 0 held there, so the kill cannot miss a fast
+    run): the two steps logged since the checkpoint are dropped and computed again, to the same bits."""
+    reference: Path = request.getfixturevalue(ref_name)
+    setup = replace(setup, port=free_port())
+    run_dir = root / f"killed_{setup.name}"
+    held_at = setup.save_every + 2  # 0-based: the step after the second logged past the checkpoint
+    faults = ";".join(f for f in (setup.faults, f"hang@0:{held_at}") if f)
+    cli = Cli(["train", *setup.flags(run_dir)], root / f"killed_{setup.name}.log", faults=faults)
 
-    def past_a_checkpoint() -> bool:
-        saved = (run_dir / "checkpoints" / "latest").exists()
-        return saved and last_step(run_dir) >= step_of(latest(run_dir)) + 2
+    def held_past_a_checkpoint() -> bool:
+        return last_step(run_dir) >= held_at and (run_dir / "checkpoints" / "latest").exists()
 
-    killed = _kill_when(cli, run_dir, "two steps past a checkpoint", past_a_checkpoint, 0.0)
-    assert killed.latest and killed.step_logged < setup.steps, killed
-    run_cli(["resume", run_dir], root / "killed_fsdp2_resume.log")
-    assert_bitwise(ref_fsdp2_2, run_dir, range(1, setup.steps + 1))
-    assert_same_final_state(ref_fsdp2_2, run_dir, setup.steps)
+    killed = _kill_when(cli, run_dir, "two steps past a checkpoint", held_past_a_checkpoint, 0.0)
+    assert (killed.latest, killed.step_logged) == (f"step_{setup.save_every:08d}", held_at), killed
+    run_cli(["resume", run_dir], root / f"killed_{setup.name}_resume.log", faults=setup.faults or None)
+    assert_bitwise(reference, run_dir, range(1, setup.steps + 1))
+    assert_same_final_state(reference, run_dir, setup.steps)
 
 
 # ---------------------------------------------------------------- 5. a different number of processes
@@ -568,6 +608,40 @@ def _assert_continued(reference: Path, run_dir: Path, setup: Setup, from_step: i
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=rel), f"step {step}"
     first = got[from_step + 1]["loss"]
     assert abs(first - got[from_step]["loss"]) <= 0.05 * got[from_step]["loss"], "loss jumped at the resume"
+    if setup.engine == "deepspeed":
+        updates = setup.steps - got[setup.steps]["skipped"]  # a skipped step does not count
+        _assert_adam_groups_intact(run_dir / "checkpoints" / final, updates)
+
+
+def _torch_optimizer_states(obj: Any) -> list[dict[str, Any]]:
+    """Every torch optimizer state_dict ({state, param_groups}) nested in a DeepSpeed optimizer file."""
+    if isinstance(obj, dict):
+        if "state" in obj and "param_groups" in obj:
+            return [obj]
+        return [found for value in obj.values() for found in _torch_optimizer_states(value)]
+    return []
+
+
+def _assert_adam_groups_intact(tag_dir: Path, updates: int) -> None:
+    """After a resume through the universal format: Adam counted each optimizer step once (not once per
+    param group), and the norms and embedding group still has no weight decay."""
+    import torch
+
+    from llmtrain.checkpoint import weights_only_loads
+    from llmtrain.config import OptimConfig
+
+    files = sorted(tag_dir.glob("*optim_states.pt"))
+    assert files, f"{tag_dir}: no optimizer states"
+    for path in files:
+        with weights_only_loads():
+            states = _torch_optimizer_states(torch.load(path, map_location="cpu"))
+        assert states, path
+        for state in states:
+            assert [float(s["step"]) for s in state["state"].values()] == [updates] * len(state["state"]), (
+                path
+            )
+            decays = [group["weight_decay"] for group in state["param_groups"]]
+            assert decays == [OptimConfig().weight_decay, 0.0], f"{path}: weight decay per group {decays}"
 
 
 @pytest.mark.parametrize(
@@ -587,11 +661,31 @@ def test_saved_on_two_processes_resumed_on_one(
     _assert_continued(reference, run_dir, setup, from_step, rel)
 
 
-def test_fsdp2_saved_on_one_process_resumed_on_two(root: Path, ref_fsdp2_1: Path) -> None:
-    run_dir = copy_run(ref_fsdp2_1, root / "one_to_two_fsdp2", keep_up_to=4)
-    run_cli(["resume", run_dir, "--gpus", "2", "--master-port", free_port()], root / "one_to_two_fsdp2.log")
-    assert not list((run_dir / "checkpoints").glob("*_universal")), "DCP needs no conversion"
-    _assert_continued(ref_fsdp2_1, run_dir, FSDP2_1, 4, 1e-5)
+@pytest.mark.parametrize(
+    "ref_name, setup",
+    [
+        ("ref_fp32_1", FP32_1),
+        ("ref_offload_1", OFFLOAD_1),
+        ("ref_zero3_1", ZERO3_1),
+        ("ref_fsdp2_1", FSDP2_1),
+    ],
+    ids=["zero1", "zero2_cpu_offload", "zero3", "fsdp2"],
+)
+def test_saved_on_one_process_resumed_on_two(
+    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup
+) -> None:
+    """Growing the job: DeepSpeed's ZeRO shards of one process go through the universal format, FSDP2's
+    DCP reshards by itself; the two processes continue from the same global sample."""
+    reference: Path = request.getfixturevalue(ref_name)
+    from_step = setup.save_every
+    run_dir = copy_run(reference, root / f"one_to_two_{setup.name}", keep_up_to=from_step)
+    run_cli(
+        ["resume", run_dir, "--gpus", "2", "--master-port", free_port()],
+        root / f"one_to_two_{setup.name}.log",
+    )
+    converted = (run_dir / "checkpoints" / f"step_{from_step:08d}_universal").is_dir()
+    assert converted == (setup.engine == "deepspeed")
+    _assert_continued(reference, run_dir, setup, from_step, 1e-5)
 
 
 # ---------------------------------------------------------------- 6. damaged and unsafe checkpoints

@@ -95,10 +95,38 @@ class DeepSpeedEngine(Engine):
         return checkpoint.write_deepspeed_files(self.ds, staging_root, tag)
 
     def load(self, ckpt_root: Path, tag: str) -> None:
+        as_built = _group_hyperparameters(self.optimizer)
         checkpoint.load_deepspeed_files(self.ds, ckpt_root, tag)
+        _repair_universal_load(self.optimizer, as_built)
 
     def checkpoint_facts(self) -> dict[str, Any]:
         return {"engine": "deepspeed", "zero_stage": int(self.ds.zero_optimization_stage())}
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer DeepSpeed steps (its ZeRO and bf16 wrappers hold it as `.optimizer`)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _group_hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's settings but its parameters and its LR (the schedule sets that every step)."""
+    groups = _torch_optimizer(optimizer).param_groups
+    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in groups]
+
+
+def _repair_universal_load(optimizer: Any, as_built: list[dict[str, Any]]) -> None:
+    """Undo two faults of DeepSpeed 0.19's ZeRO-3 universal load (stage3.py,
+    load_hp_checkpoint_state_from_checkpoint_dir_stage3), harmless after any other load:
+    - every param group gets the first group's settings, so the norms and the embedding would be decayed:
+      a resumed run's optimizer settings are frozen, so the groups as built are the right ones;
+    - one `step` tensor is shared by every group's state, and AdamW increments it in place once per group:
+      each group gets its own copy, so the bias correction counts optimizer steps again."""
+    torch_optimizer = _torch_optimizer(optimizer)
+    for group, settings in zip(torch_optimizer.param_groups, as_built, strict=True):
+        group.update(settings)
+    for state in torch_optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def param_groups(
