@@ -9,7 +9,9 @@ All scenarios run in one `run_distributed` launch of 2 fresh processes (imports 
 - `_offload`: ZeRO 2 / 3 with CPU offload and ZeRO 3 with NVMe offload, FSDP2 in bf16 with and without
   CPU offload, at a higher LR;
 - `_nan_skips`: a NaN loss injected on rank 1 (LLMTRAIN_FAULTS) for several stages, precisions and both
-  engines, with the fp32 master weights and optimizer state snapshotted around the poisoned step.
+  engines, with the fp32 master weights and optimizer state snapshotted around the poisoned step;
+- `_optimizer_rules`: one step per ZeRO stage and on FSDP2 with gradient clipping (Adam's first moment
+  shows the gradient the optimizer received) and with a zero gradient (only weight decay moves weights).
 """
 
 from __future__ import annotations
@@ -227,12 +229,62 @@ def _grad_spikes(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+# ---- gradient clipping and weight-decay groups, seen in the optimizer's own state
+
+RULE_CASES = [("deepspeed", 0), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3), ("fsdp2", 3)]
+RULE_FLAGS = {"train.steps": 1, "schedule.warmup_steps": 0, "optim.lr": 1e-2, "optim.weight_decay": 0.1}
+TINY_CLIP = 1e-3  # far below the debug model's first gradient norm (~1)
+
+
+def _first_moment_sq(snap: dict[str, np.ndarray]) -> float:
+    """Sum of squares of this rank's Adam first moments (a share of the whole under ZeRO 1-3 / FSDP2)."""
+    return float(sum(np.sum(v.astype(np.float64) ** 2) for k, v in snap.items() if k.endswith("/exp_avg")))
+
+
+def _zero_gradient(trainer: Any) -> None:
+    """The real loss times zero: every gradient exactly zero, so AdamW's step moves weights by decay only."""
+    forward = trainer.engine.forward
+    trainer.engine.forward = lambda batch: forward(batch) * 0.0
+
+
+def _optimizer_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Per case: after one clipped step, this rank's share of |m|^2 and the logged (pre-clip) grad norm;
+    the same unclipped; and the masters before and after one step with a zero gradient."""
+    from llmtrain.train.metrics import METRICS_FILE, read_metrics
+
+    out: dict[str, Any] = {}
+    for engine, stage in RULE_CASES:
+        case = f"{engine}_zero{stage}"
+        flags = {**RULE_FLAGS, "train.engine": engine, "zero.stage": stage}
+        result: dict[str, Any] = {}
+        for clip in (TINY_CLIP, 0.0):
+            run_dir = Path(root) / f"{case}_clip{clip}"
+            trainer = _build(rank, world_size, str(run_dir), {**flags, "optim.grad_clip": clip})
+            trainer.train()
+            snap = _snapshot(trainer.engine)
+            result[f"clip{clip}"] = {
+                "m_sq": _first_moment_sq(snap),
+                "grad_norm": read_metrics(run_dir / METRICS_FILE)[0]["grad_norm"] if rank == 0 else None,
+            }
+        trainer = _build(rank, world_size, str(Path(root) / f"{case}_zero_grad"), flags)
+        _zero_gradient(trainer)
+        snaps = _snapshot_around_steps(trainer, faulty_step=0)
+        trainer.train()
+        masters = {
+            k.removeprefix("master/"): (snaps[0][k], snaps[1][k]) for k in snaps[0] if k.startswith("master/")
+        }
+        result["zero_grad"] = masters if rank == 0 else None
+        out[case] = result
+    return out
+
+
 def _all_groups(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {
         "trajectories": _train_all(rank, world_size, str(Path(root) / "trajectories"), TRAJECTORIES),
         "offload": _offload(rank, world_size, str(Path(root) / "offload")),
         "nan": _nan_skips(rank, world_size, str(Path(root) / "nan")),
         "spikes": _grad_spikes(rank, world_size, str(Path(root) / "spikes")),
+        "rules": _optimizer_rules(rank, world_size, str(Path(root) / "rules")),
     }
 
 
@@ -265,6 +317,11 @@ def nan_skips(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def spikes(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [per_rank["spikes"] for per_rank in ranks]
+
+
+@pytest.fixture(scope="module")
+def optimizer_rules(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [per_rank["rules"] for per_rank in ranks]
 
 
 # ---------------------------------------------------------------- tests
@@ -356,3 +413,51 @@ def test_a_grad_norm_spike_is_skipped_before_the_update_on_fsdp2_and_reported_on
         last = spikes[0][engine]["records"][-1]
         assert (last["step"], last["skipped"], last["spikes"]) == (SPIKE_STEP + 1, skipped, 1), engine
         assert last["grad_norm"] > 100 * spikes[0][engine]["records"][-2]["grad_norm"], engine
+
+
+def _first_step_gradient_norm(per_rank: list[dict[str, Any]], stage: int, key: str) -> float:
+    """|g| of the gradient the optimizer stepped with: Adam's first moment after one step is (1 - beta1) g;
+    ZeRO 1-3 and FSDP2 hold a share of it per rank, ZeRO 0 all of it on every rank."""
+    from llmtrain.config import OptimConfig
+
+    shares = [r[key]["m_sq"] for r in per_rank]
+    m_sq = shares[0] if stage == 0 else sum(shares)
+    return float(np.sqrt(m_sq)) / (1 - OptimConfig().beta1)
+
+
+@pytest.mark.parametrize(("engine", "stage"), RULE_CASES, ids=[f"{e}_zero{s}" for e, s in RULE_CASES])
+def test_gradient_clipping_caps_the_norm_the_optimizer_steps_with(
+    optimizer_rules: list[dict[str, Any]], engine: str, stage: int
+) -> None:
+    per_rank = [r[f"{engine}_zero{stage}"] for r in optimizer_rules]
+    clipped, unclipped = f"clip{TINY_CLIP}", "clip0.0"
+    logged = per_rank[0][clipped]["grad_norm"]
+    assert logged > 100 * TINY_CLIP, (
+        "the first gradient must be far above the clip for the test to mean anything"
+    )
+    assert per_rank[0][unclipped]["grad_norm"] == pytest.approx(logged, rel=1e-5)  # same data, same gradient
+    # Unclipped, the optimizer steps with the whole gradient (the measure is right) ...
+    assert _first_step_gradient_norm(per_rank, stage, unclipped) == pytest.approx(logged, rel=1e-4)
+    # ... clipped, with the gradient scaled to the clip, while the log keeps the norm before clipping.
+    assert _first_step_gradient_norm(per_rank, stage, clipped) == pytest.approx(TINY_CLIP, rel=1e-4)
+
+
+@pytest.mark.parametrize(("engine", "stage"), RULE_CASES, ids=[f"{e}_zero{s}" for e, s in RULE_CASES])
+def test_weight_decay_shrinks_matrices_only(
+    optimizer_rules: list[dict[str, Any]], engine: str, stage: int
+) -> None:
+    """A step with a zero gradient: AdamW moves a weight by decay alone, p * (1 - lr * wd); norms and the
+    embedding (no decay) stay bitwise as they were."""
+    masters = optimizer_rules[0][f"{engine}_zero{stage}"]["zero_grad"]
+    shrink = np.float32(1 - RULE_FLAGS["optim.lr"] * RULE_FLAGS["optim.weight_decay"])
+    exempt = [name for name in masters if "norm" in name or name.startswith("embed_tokens")]
+    decayed = [name for name in masters if name not in exempt]
+    assert any("norm" in n for n in exempt) and "embed_tokens.weight" in exempt, sorted(masters)
+    assert any("mlp" in n for n in decayed) and any("attn" in n for n in decayed), sorted(masters)
+    for name in exempt:
+        before, after = masters[name]
+        assert np.array_equal(before, after), f"{name}: moved by a zero-gradient step (decayed?)"
+    for name in decayed:
+        before, after = masters[name]
+        assert not np.array_equal(before, after), f"{name}: not decayed"
+        np.testing.assert_allclose(after, before * shrink, rtol=1e-6, atol=0, err_msg=name)
