@@ -292,6 +292,11 @@ def estimate_memory_cmd(
         memory.render(doc)
 
 
+def _lock_wait_option(default: str) -> Any:
+    help_text = f"Seconds to wait for another llmtrain process using the run directory to end ({default})."
+    return typer.Option("--lock-wait", help=help_text, metavar="SECONDS", show_default=False)
+
+
 @app.command("train")
 @with_train_flags
 def train_cmd(
@@ -302,16 +307,26 @@ def train_cmd(
             "--resume", help="`auto`: resume when the run directory holds a checkpoint, else start."
         ),
     ] = None,
+    lock_wait: Annotated[float | None, _lock_wait_option("default 0; 120 with --resume auto")] = None,
 ) -> None:
     """Train a model: DeepSpeed config from the flags, Llama model, checkpoints, LR schedule."""
-    from llmtrain.run import launch, prepare
+    from llmtrain import rundir
+    from llmtrain.run import lock
 
     if resume not in (None, "auto"):
         raise ConfigError(
             f"--resume: only `auto` is accepted, got {resume!r}; to resume a run use `llmtrain resume RUN_DIR`"
         )
-    prepared = prepare.prepare_train(resolve_config(cfg_args), resume_auto=resume == "auto")
-    _exit_with(launch.start(prepared))
+    resume_auto = resume == "auto"
+    wait_s = lock.wait_seconds(lock_wait, resume_auto)
+    cfg = resolve_config(cfg_args)
+    run_dir = rundir.train_run_dir(cfg)
+    # The lock before anything is written and before --resume auto decides; torch is imported after it.
+    with lock.hold(run_dir, f"--run-dir {run_dir}", wait_s, create=True) as held:
+        from llmtrain.run import launch, prepare
+
+        code = held.note(launch.start(prepare.prepare_train(cfg, resume_auto, made_dir=held.made_dir)))
+    _exit_with(code)
 
 
 @app.command("resume")
@@ -322,17 +337,23 @@ def resume_cmd(
     strict: Annotated[
         bool, typer.Option("--strict", help="Refuse a corrupt checkpoint instead of falling back.")
     ] = False,
+    lock_wait: Annotated[float | None, _lock_wait_option("default 0")] = None,
 ) -> None:
     """Continue a run exactly where its last complete checkpoint stopped (same data, LR, loss curve).
 
     --config, --set and flags change the saved config where that keeps the continuation exact (run
     length, cadences, logging, launch); any other change is refused."""
-    from llmtrain.run import launch, prepare
+    from llmtrain.run import lock
 
     if strict:
         cfg_args["sets"] = [*cfg_args["sets"], "checkpoint.strict=true"]
-    changes = prepare.ConfigChanges(cfg_args["config_file"], cfg_args["sets"], cfg_args["flags"])
-    _exit_with(launch.start(prepare.prepare_resume(run_dir, changes)))
+    wait_s = lock.wait_seconds(lock_wait, resume_auto=False)
+    with lock.hold(run_dir, f"resume {run_dir}", wait_s, create=False) as held:
+        from llmtrain.run import launch, prepare
+
+        changes = prepare.ConfigChanges(cfg_args["config_file"], cfg_args["sets"], cfg_args["flags"])
+        code = held.note(launch.start(prepare.prepare_resume(run_dir, changes)))
+    _exit_with(code)
 
 
 @app.command("worker", hidden=True)

@@ -7,6 +7,11 @@ RUN_DIR/environment.json  library versions, git sha, hardware, world size
 RUN_DIR/metrics.jsonl     one record per logged step (train/metrics.py)
 RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (the checkpoint package)
 RUN_DIR/tokenizer.json    the tokenizer the data was prepared with (generate / eval / export use it)
+RUN_DIR/wandb/            Weights & Biases' files and the run's wandb id (--wandb offline|online)
+RUN_DIR/run.lock          held by the run's one writer (run/lock.py); names it while it runs
+
+A fresh `train` writes only into a new or empty directory, or over the files of a run of llmtrain's that
+never saved a checkpoint (`RUN_NAMES`): never beside files llmtrain did not write.
 """
 
 from __future__ import annotations
@@ -31,6 +36,25 @@ ENGINE_CONFIG_FILES = {"deepspeed": DS_CONFIG_FILE, "fsdp2": FSDP2_PLAN_FILE}
 ENVIRONMENT_FILE = "environment.json"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
+METRICS_FILE = "metrics.jsonl"
+WANDB_DIR = "wandb"
+LOCK_FILE = "run.lock"
+# Every name llmtrain writes at the top of a run directory (the one list: a fresh run refuses others).
+RUN_NAMES = frozenset(
+    {
+        CONFIG_FILE,
+        DS_CONFIG_FILE,
+        FSDP2_PLAN_FILE,
+        ENVIRONMENT_FILE,
+        METRICS_FILE,
+        CHECKPOINT_DIR,
+        TOKENIZER_FILE,
+        WANDB_DIR,
+        LOCK_FILE,
+    }
+)
+# What a write cut short leaves beside them: fsutil.write_atomic's `.NAME.tmpPID`, metrics' `NAME.tmp`.
+_LEFTOVER = re.compile(r"^\.(?P<atomic>.+)\.tmp\d+$|^(?P<plain>.+)\.tmp$")
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -56,6 +80,45 @@ def refuse_fresh_run_over_checkpoints(run_dir: Path) -> None:
             f"--run-dir {run_dir}: already holds checkpoints; continue it with `llmtrain resume {run_dir}`, "
             "pass --resume auto, or choose another --run-dir"
         )
+
+
+def is_run_name(name: str) -> bool:
+    """A name llmtrain writes at the top of a run directory (or the leftover of one's interrupted write)."""
+    leftover = _LEFTOVER.match(name)
+    if leftover:
+        name = leftover.group("atomic") or leftover.group("plain")
+    return name in RUN_NAMES
+
+
+def foreign_names(run_dir: Path) -> list[str]:
+    """What `run_dir` holds that llmtrain did not write there (sorted); none for a missing directory."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if not is_run_name(p.name))
+
+
+def refuse_foreign_files(run_dir: Path) -> None:
+    """A fresh run never writes beside files llmtrain did not write: refused before anything is written."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: not a directory; pass a new or empty directory")
+    foreign = foreign_names(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"--run-dir {run_dir}: holds files llmtrain did not write ({shown}); nothing was changed; "
+            "pass a new or empty directory"
+        )
+
+
+def train_run_dir(cfg: TrainConfig) -> Path:
+    """The directory a `train` writes: --run-dir, or a new runs/<name> (set in `cfg`, frozen with it).
+    Unless it holds a checkpoint to resume or refuse, one holding the user's files is refused here,
+    before the lock file is made in it."""
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
+    cfg.run_dir = str(run_dir)
+    if not has_checkpoints(run_dir):
+        refuse_foreign_files(run_dir)
+    return run_dir
 
 
 def write_config(run_dir: Path, cfg: TrainConfig) -> None:

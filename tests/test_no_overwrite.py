@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llmtrain import rundir
 from llmtrain.cli import main
 from llmtrain.data.tokenizer import train_tokenizer
 
@@ -94,3 +95,67 @@ def test_a_single_output_file_is_replaced_only_with_force(
     assert main([*argv, "--force"]) == 0
     assert json.loads(target.read_text())  # replaced by what the verb writes
     _refused(capsys, [*argv[:-1], str(w)], "is a directory")
+
+
+# ---------------------------------------------------------------- train --run-dir
+
+# What a fresh `train` must refuse to write beside: the user's files, alone or beside llmtrain's own files
+# of a run that never saved.
+USER_RUN_DIRS = {
+    "a_users_folder": {"notes.txt": b"my notes", "data.bin": b"\x00\x01"},
+    "notes_beside_a_run_that_never_saved": {"config.yaml": b"train: {steps: 2}\n", "notes.txt": b"my notes"},
+    "a_folder_in_it": {"plots/loss.png": b"\x89PNG"},
+}
+
+
+@pytest.mark.parametrize("resume_auto", [False, True], ids=["train", "train_resume_auto"])
+@pytest.mark.parametrize("name", list(USER_RUN_DIRS))
+def test_train_refuses_a_run_dir_holding_the_users_files_and_changes_nothing(
+    w: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, name: str, resume_auto: bool
+) -> None:
+    for var in ("RANK", "WORLD_SIZE"):  # the process the user started
+        monkeypatch.delenv(var, raising=False)
+    run_dir = w / "run"
+    for file, data in USER_RUN_DIRS[name].items():
+        (run_dir / file).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / file).write_bytes(data)
+    foreign = sorted({file.split("/")[0] for file in USER_RUN_DIRS[name]} - rundir.RUN_NAMES)
+    before, names = _snapshot(w), sorted(p.name for p in run_dir.iterdir())
+    argv = ["train", "--preset", "debug", "--steps", "2", "--run-dir", str(run_dir)]
+    _refused(
+        capsys,
+        [*argv, *(["--resume", "auto"] if resume_auto else [])],
+        f"--run-dir {run_dir}: holds files llmtrain did not write ({', '.join(foreign)}); nothing was changed",
+    )
+    assert _snapshot(w) == before
+    assert sorted(p.name for p in run_dir.iterdir()) == names  # not even a lock file was made
+
+
+def test_train_refuses_a_file_as_its_run_dir(w: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _snapshot(w)
+    _refused(capsys, ["train", "--preset", "debug", "--run-dir", str(w / "good.txt")], "not a directory")
+    assert _snapshot(w) == before
+
+
+def test_train_accepts_an_empty_dir_or_llmtrains_files_of_a_run_that_never_saved(w: Path) -> None:
+    from llmtrain import config as config_mod
+    from llmtrain.run import prepare
+
+    empty, restart = w / "empty", w / "restart"
+    empty.mkdir()
+    # Everything a run writes before its first checkpoint, and what writes cut short by a kill leave.
+    for name in ["config.yaml", "ds_config.json", "environment.json", "metrics.jsonl", "tokenizer.json"]:
+        (restart / name).parent.mkdir(parents=True, exist_ok=True)
+        (restart / name).write_text("{}\n")
+    for name in ["run.lock", ".config.yaml.tmp4242", "metrics.jsonl.tmp", "wandb/llmtrain_run_id"]:
+        (restart / name).parent.mkdir(parents=True, exist_ok=True)
+        (restart / name).write_text("")
+    (restart / "checkpoints" / ".incoming").mkdir(parents=True)
+    assert rundir.foreign_names(restart) == []
+    for run_dir in (empty, restart):
+        for resume_auto in (False, True):
+            cfg = config_mod.resolve(
+                None, [], {"preset": "debug", "train.steps": "2", "run_dir": str(run_dir)}
+            )
+            prepared = prepare.prepare_train(cfg, resume_auto=resume_auto)
+            assert prepared.run_dir == run_dir and not prepared.resume and not prepared.new_dir

@@ -64,18 +64,19 @@ class PreparedRun:
     new_dir: bool  # this command creates run_dir: a run refused for bad input removes it again
 
 
-def prepare_train(cfg: TrainConfig, resume_auto: bool) -> PreparedRun:
-    """`llmtrain train`: a fresh run (or, with --resume auto, a resume when a checkpoint exists)."""
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else rundir.default_run_dir(cfg)
-    cfg.run_dir = str(run_dir)
+def prepare_train(cfg: TrainConfig, resume_auto: bool, made_dir: bool = False) -> PreparedRun:
+    """`llmtrain train`: a fresh run (or, with --resume auto, a resume when a checkpoint exists).
+    `made_dir`: the run directory's lock (run.lock) made the directory for this command."""
+    run_dir = rundir.train_run_dir(cfg)
     if resume_auto and rundir.has_checkpoints(run_dir):
         return prepare_resume(run_dir, None)
     if not inside_launcher():
         rundir.refuse_fresh_run_over_checkpoints(run_dir)
+    rundir.refuse_foreign_files(run_dir)
     check_launch(cfg)
     check_inputs(cfg)
     derive(cfg)
-    return PreparedRun(cfg, run_dir, resume=False, new_dir=not run_dir.exists())
+    return PreparedRun(cfg, run_dir, resume=False, new_dir=made_dir or not run_dir.exists())
 
 
 def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:

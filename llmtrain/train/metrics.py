@@ -33,14 +33,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+from llmtrain import rundir
 from llmtrain.config import ModelConfig, TrainConfig, to_dict
 from llmtrain.presets import count_parameters
 
 if TYPE_CHECKING:
     import torch
 
-METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb/llmtrain_run_id"
+METRICS_FILE = rundir.METRICS_FILE
+WANDB_ID_FILE = f"{rundir.WANDB_DIR}/llmtrain_run_id"
 WandbMode = Literal["off", "offline", "online"]
 
 
