@@ -24,6 +24,7 @@ from llmtrain.flags import flag_for
 from llmtrain.parallel import rules
 from llmtrain.parallel.layout import Layout, check_shape
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
+from llmtrain.units import parse_bytes
 
 
 def _f(default: Any, help: str) -> Any:
@@ -37,6 +38,8 @@ Checkpointing = Literal["none", "full", "selective"]
 PipeSchedule = Literal["1f1b", "gpipe"]
 PipePartition = Literal["parameters", "blocks"]
 EngineName = Literal["deepspeed", "fsdp2"]
+# A byte count, written as bytes or with a unit (50e9, 500MB, 2GiB); stored as an int.
+ByteSize = typing.NewType("ByteSize", int)
 
 
 @dataclass
@@ -155,6 +158,10 @@ class CheckpointSection:
     strict: bool = _f(False, "resume refuses a corrupt checkpoint instead of falling back")
     on_save_failure: Literal["continue", "stop"] = _f(
         "continue", "after a failed save: warn and retry, or stop"
+    )
+    min_free: ByteSize = _f(
+        ByteSize(0),
+        "space to keep free on the checkpoint filesystem (e.g. 50GB); a save that would not is refused",
     )
 
 
@@ -313,6 +320,8 @@ def type_name(tp: Any) -> str:
     base = base_type(tp)
     if get_origin(base) is Literal:
         name = " | ".join(str(a) for a in get_args(base))
+    elif base is ByteSize:
+        name = "a size in bytes (e.g. 50e9, 500MB, 2GiB)"
     else:
         name = getattr(base, "__name__", str(base))
     return f"{name} or none" if _is_optional(tp) else name
@@ -335,6 +344,10 @@ def coerce(key: str, value: Any, where: str) -> Any:
 
 
 def _coerce_to(base: Any, value: Any) -> Any:
+    if base is ByteSize:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return parse_bytes(value)
     if get_origin(base) is Literal:
         allowed = get_args(base)
         for option in allowed:

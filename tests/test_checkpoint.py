@@ -151,6 +151,10 @@ def _failures(rank: int, ws: int, root: str) -> dict[str, Any]:
     engine = _engine(2, seed=1)
     results: dict[str, Any] = {}
     _train_step(engine, 1, rank)
+    full_on_rank_1 = 2**62 if rank == 1 else 0  # min_free above any disk's free space: rank 1's is "full"
+    no_room = ckpt.SpaceRule(full_on_rank_1, ckpt.SizeEstimate(1000, "a guess"))
+    results["no_room"] = ckpt.save(_wrapped(engine), where, 1, {}, rank, ws, None, None, space=no_room)
+    results["left_by_no_room"] = sorted(p.name for p in where.iterdir())
     results["first"] = _save(engine, where, 1, rank, ws, keep=2)
     _train_step(engine, 2, rank)
     with _file_size_limit(1024 if rank == 1 else None):
@@ -458,3 +462,86 @@ def test_universal_is_refused_for_unpartitioned_state(round_trips, tmp_path):
     assert not ckpt.needs_universal(info, 1)  # stage 0 loads at any world size as it is
     with pytest.raises(CheckpointError, match="nothing to convert"):
         ckpt.convert_to_universal(where, info.tag)
+
+
+# ---------------------------------------------------------------- before a save: is there room?
+
+
+def test_a_checkpoint_that_cannot_fit_is_refused_before_anything_is_written(tmp_path):
+    root = tmp_path / "ckpts"
+    free = ckpt.free_bytes(root)  # the filesystem root will be on, measured without creating it
+    assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 2**30
+    rule = ckpt.SpaceRule(min_free=free + 2**40, first_save=ckpt.SizeEstimate(1234, "a guess"))
+    result = ckpt.save(object(), root, 40, {}, 0, 1, keep=None, keep_every=None, space=rule)
+    assert not result.ok and result.tag == "step_00000040" and result.path is None
+    needs = "needs ~1.2 KiB (estimated from a guess), "
+    assert result.error.startswith(f"not enough free space on {root}: {needs}")
+    assert result.error.endswith(" free (checkpoint.min_free)")
+    assert not root.exists()  # no staging dir, no partial file: the engine was never asked to write
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_fit_on_one_rank_is_refused_on_every_rank(failures):
+    root, results = failures
+    refused = [r["no_room"] for r in results]
+    assert not any(r.ok for r in refused)
+    assert refused[0] == refused[1]  # the same verdict, the same words, on both ranks
+    needs = "needs ~1000 B (estimated from a guess), "
+    assert refused[0].error.startswith(f"rank 1: not enough free space on {root}: {needs}")
+    assert "rank 0" not in refused[0].error  # only the rank short of space is named
+    assert [r["left_by_no_room"] for r in results] == [[], []]  # nothing written: no staging dir, no file
+
+
+def test_the_expected_size_falls_back_to_the_estimate_without_a_readable_latest_checkpoint(tmp_path):
+    guess = ckpt.SizeEstimate(5, "a guess")
+    assert ckpt.expected_size(tmp_path, guess) == guess  # no checkpoint yet
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "latest").write_text("step_00000002")
+    assert ckpt.expected_size(tmp_path, guess) == guess  # `latest` names no complete checkpoint
+    assert ckpt.expected_size(tmp_path, None).bytes == 0
+
+
+def _debug_config(engine: str) -> Any:
+    from llmtrain.config import resolve
+
+    stage = 1 if engine == "deepspeed" else 3  # runs' default ZeRO stage; FSDP2 runs stages 2-3
+    flags = {"preset": "debug", "train.engine": engine, "zero.stage": stage, "train.micro_batch": 2}
+    return resolve(flags=flags)
+
+
+def _first_saves(rank: int, ws: int, root: str) -> dict[str, tuple[int, int, str]]:
+    """A real first checkpoint of the debug preset (bf16) on DeepSpeed ZeRO 1 and on FSDP2, after one
+    update (Adam's moments exist): engine -> (the manifest's total, the size then expected, its basis)."""
+    from llmtrain.engine import fsdp2, fsdp2_plan
+
+    deepspeed = _engine(1, seed=1)
+    _train_step(deepspeed, 1, rank)
+    cfg = _debug_config("fsdp2")
+    fsdp = fsdp2.build_engine(cfg, fsdp2_plan.build(cfg, ws), torch.device("cpu"), ws, "cpu")
+    ids = torch.randint(0, 512, (2, SEQ))
+    fsdp.backward(fsdp.forward({"input_ids": ids, "labels": ids}), last=True, skip=False)
+    fsdp.update(skip=False)
+    out = {}
+    for name, engine in (("deepspeed", _wrapped(deepspeed)), ("fsdp2", fsdp)):
+        where = Path(root) / name
+        result = ckpt.save(engine, where, 1, {"step": 1}, rank, ws, keep=None, keep_every=None)
+        assert result.ok, result.error
+        saved = sum(entry["size"] for entry in ckpt.read_manifest(where / result.tag)["files"])
+        expected = ckpt.expected_size(where, None)
+        out[name] = (saved, expected.bytes, expected.basis)
+    return out
+
+
+@pytest.mark.slow
+def test_the_expected_size_is_the_last_checkpoints_and_the_first_estimate_a_little_above_it(tmp_path):
+    from dist import run_distributed
+
+    from llmtrain.train.trainer import space_rule
+
+    (sizes,) = run_distributed(_first_saves, 1, str(tmp_path), timeout=300)
+    for engine, (saved, expected, basis) in sizes.items():
+        assert (expected, basis) == (saved, "step 1's checkpoint")
+        estimate = space_rule(_debug_config(engine)).first_save
+        assert estimate is not None
+        print(f"{engine}: first checkpoint {saved} B, estimated {estimate.bytes} B ({estimate.basis})")
+        assert saved <= estimate.bytes <= 1.3 * saved

@@ -61,12 +61,22 @@ def test_dump_and_load_round_trip(tmp_path: Path) -> None:
         ("optim.lr=fast", "optim.lr must be float"),
         ("train.compile=maybe", "train.compile must be bool"),
         ("zero.offload=gpu", "zero.offload must be none | cpu | nvme"),
+        ("checkpoint.min_free=-5GB", "checkpoint.min_free must be a size in bytes"),
+        ("checkpoint.min_free=5 furlongs", "checkpoint.min_free must be a size in bytes"),
         ("noequals", "expected section.key=value"),
     ],
 )
 def test_bad_set_items_are_rejected_with_the_key(item: str, message: str) -> None:
     with pytest.raises(c.ConfigError, match=message.replace("?", r"\?").replace("|", r"\|")):
         c.resolve(sets=[item])
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("0", 0), ("50e9", 50 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5TB", 1.5e12)],
+)
+def test_sizes_are_read_with_their_units(text: str, size: int) -> None:
+    assert c.resolve(sets=[f"checkpoint.min_free={text}"]).checkpoint.min_free == size
 
 
 def test_values_parse_to_field_types() -> None:

@@ -11,6 +11,8 @@ logs' are 1-based.
 
 from __future__ import annotations
 
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,9 +35,10 @@ from runkit import (
     wait_for,
 )
 
-from llmtrain import checkpoint
-from llmtrain.config import ConfigError
+from llmtrain import checkpoint, memory
+from llmtrain.config import ConfigError, resolve
 from llmtrain.train import faults
+from llmtrain.units import human
 
 pytestmark = pytest.mark.slow
 
@@ -188,6 +191,65 @@ def test_a_failed_checkpoint_write_stops_cleanly_when_configured(tmp_path: Path,
     assert [i.step for i in checkpoint.list_complete(root)] == [2]
     assert checkpoint.verify(root / checkpoint.tag_for(2)) == []
     assert last_logged_step(run_dir) == 4  # stopped at the failed save
+
+
+MORE_THAN_ANY_DISK = "1e15"  # checkpoint.min_free of 1 PB: no checkpoint fits
+
+
+@pytest.fixture(scope="module")
+def no_room(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int, str]]:
+    """on_save_failure -> (run dir, exit code, output) of a one-process run (6 steps, a save due every 2)
+    with checkpoint.min_free above the disk's free space; both runs at once, as one costs mostly start-up."""
+    base = tmp_path_factory.mktemp("no_room")
+    started = {}
+    for policy in ("continue", "stop"):
+        sets = [f"checkpoint.min_free={MORE_THAN_ANY_DISK}", f"checkpoint.on_save_failure={policy}"]
+        args = train_args(base / policy, 6, SAVE_EVERY, *(x for s in sets for x in ("--set", s)), gpus=1)
+        started[policy] = start(args, base / f"{policy}.log", run_env())
+    return {policy: (base / policy, *run.wait(RUN_TIMEOUT)) for policy, run in started.items()}
+
+
+def _refusal(step: int, run_dir: Path) -> re.Pattern[str]:
+    """The refusal of step's save, with the first-save estimate of the debug preset (ZeRO 1, fp32) and
+    the free space captured."""
+    cfg = resolve(flags={"preset": "debug", "train.precision": "fp32", "zero.stage": 1})
+    setup = memory.setup_from_config(cfg)
+    basis = f"the model's {setup.params:,} parameters in fp32, no checkpoint yet"
+    return re.compile(
+        re.escape(f"checkpoint at step {step} failed: not enough free space on {_ckpt_root(run_dir)}: ")
+        + re.escape(f"needs ~{human(memory.checkpoint_bytes(setup), decimals=1)} (estimated from {basis}), ")
+        + r"([0-9.]+) ([KMGT]iB) free, "
+        + re.escape(f"keeping {human(int(float(MORE_THAN_ANY_DISK)), decimals=1)} free (checkpoint.min_free)")
+    )
+
+
+def test_a_checkpoint_that_cannot_fit_is_refused_before_writing_and_training_goes_on(
+    no_room: dict[str, tuple[Path, int, str]],
+) -> None:
+    run_dir, code, output = no_room["continue"]
+    assert code == 0, output[-3000:]
+    warnings = [line for line in output.splitlines() if line.startswith("warning: checkpoint at step")]
+    for step in (2, 4, 6):  # every save due, and the final one
+        found = [match for w in warnings if (match := _refusal(step, run_dir).search(w))]
+        assert found, (step, warnings)
+        assert found[0].string.endswith("; retrying at the next interval")
+        number, unit = found[0].groups()
+        free = float(number) * 1024 ** (1 + ["KiB", "MiB", "GiB", "TiB"].index(unit))
+        assert abs(free - shutil.disk_usage(run_dir.parent).free) < 0.05 * free + 2**30  # the run's disk
+    assert not _ckpt_root(run_dir).exists()  # no checkpoint, no staging dir, no partial file
+    assert last_logged_step(run_dir) == 6
+
+
+def test_a_checkpoint_that_cannot_fit_stops_the_run_when_configured(
+    no_room: dict[str, tuple[Path, int, str]],
+) -> None:
+    run_dir, code, output = no_room["stop"]
+    assert code == 1, output[-3000:]
+    (line,) = error_lines(output)
+    assert _refusal(2, run_dir).fullmatch(line.removeprefix("error: ")), line
+    assert "Traceback" not in output
+    assert not _ckpt_root(run_dir).exists()
+    assert last_logged_step(run_dir) == 2  # stopped at the first save due
 
 
 def test_sigterm_during_a_checkpoint_save_never_leaves_a_half_checkpoint_named_latest(

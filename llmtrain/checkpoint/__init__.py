@@ -3,6 +3,8 @@
 - `commit`: every rank writes into a staging dir; the checkpoint exists only once every rank reported
   success, every file was fsynced and checksummed into `manifest.json`, and rank 0 renamed it into place
   and replaced `latest` atomically (the commit point). Old checkpoints are pruned after a commit.
+- `space`: before a save, its expected size against every rank's free disk space (plus
+  `checkpoint.min_free`); a checkpoint that cannot fit is refused before anything is written.
 - `reading`: `latest`, the complete and intact checkpoints, the one to resume from (falling back past
   damage unless strict), every path validated to stay inside the checkpoint root.
 - `safeload`: nothing read from a checkpoint may execute code: `.pt` pickles are scanned against an
@@ -47,6 +49,7 @@ from llmtrain.checkpoint.safeload import (
     scan_pickles,
     weights_only_loads,
 )
+from llmtrain.checkpoint.space import SizeEstimate, SpaceRule, expected_size, free_bytes
 from llmtrain.checkpoint.universal import convert_to_universal, needs_universal
 
 __all__ = [
@@ -60,10 +63,14 @@ __all__ = [
     "CheckpointInfo",
     "Choice",
     "SaveResult",
+    "SizeEstimate",
+    "SpaceRule",
     "checkpoint_dir",
     "choose_checkpoint",
     "consolidated_fp32_state_dict",
     "convert_to_universal",
+    "expected_size",
+    "free_bytes",
     "list_complete",
     "load",
     "load_deepspeed_files",

@@ -4,8 +4,9 @@ DeepSpeed's own `save_checkpoint` is not crash-safe (rank 0 writes `latest` befo
 have finished). Here every rank writes into `ckpt_root/.incoming/<tag>`; after every rank reported success
 (all-gathered) and every file was fsynced and checksummed, rank 0 writes `manifest.json`, renames the
 staging dir to `ckpt_root/<tag>` and replaces `latest` atomically: that rename is the commit point. A
-failure anywhere leaves `latest` and older checkpoints untouched. Pruning lives here too because it runs
-right after a commit, on rank 0, and must never delete what `latest` names.
+failure anywhere leaves `latest` and older checkpoints untouched; a checkpoint that would not fit on
+some rank's disk (`space.py`) is refused before the staging dir exists. Pruning lives here too because
+it runs right after a commit, on rank 0, and must never delete what `latest` names.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from llmtrain.checkpoint.common import (
 )
 from llmtrain.checkpoint.reading import list_complete, read_latest
 from llmtrain.checkpoint.rng import rng_state
+from llmtrain.checkpoint.space import SpaceRule, refusal
 from llmtrain.fsutil import write_atomic
 
 
@@ -50,10 +52,15 @@ def save(
     world_size: int,
     keep: int | None,
     keep_every: int | None,
+    space: SpaceRule = SpaceRule(),  # frozen: one shared default is safe
 ) -> SaveResult:
-    """Save on every rank; returns the same SaveResult everywhere. Never raises for I/O failures."""
+    """Save on every rank; returns the same SaveResult everywhere. Never raises for I/O failures.
+    A checkpoint that would not fit (`space`) is refused before anything is written."""
     ckpt_root = Path(ckpt_root)
     tag = tag_for(step)
+    short_of_space = refusal(ckpt_root, rank, world_size, space)
+    if short_of_space is not None:
+        return SaveResult(ok=False, tag=tag, error=short_of_space)
     staging = ckpt_root / STAGING / tag
     if rank == 0:
         _prepare_staging(ckpt_root, staging)

@@ -67,6 +67,11 @@ SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size (elements)
 
 ADAM_MOMENTS = 8  # exp_avg + exp_avg_sq, fp32
 FP32 = 4
+# A checkpoint's bytes besides the states, with room to spare (measured on the debug preset): per
+# parameter tensor, the framing of what is saved for it (DCP's ~9.5 KiB for its weights, two moments,
+# Adam's step and their metadata; torch.save's less), and per rank llmtrain's JSON state (~22 KiB).
+CHECKPOINT_BYTES_PER_TENSOR = 12 << 10
+CHECKPOINT_BYTES_PER_RANK = 64 << 10
 
 _OFFLOAD_WHERE = {"none": "", "cpu": ", on the CPU", "nvme": ", on NVMe"}
 
@@ -394,6 +399,22 @@ def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int
         optim_nvme=0 if cpu else states,
         notes=notes,
     )
+
+
+# ---------------------------------------------------------------- one checkpoint (all ranks)
+
+
+def checkpoint_bytes(setup: Setup) -> int:
+    """Bytes of one checkpoint, all ranks together, before a run has saved one: the optimizer's fp32
+    master weights and Adam's moments (ZeRO's partitions add up to one copy of each) plus DeepSpeed's
+    model file, the weights in the model dtype (FSDP2's model state is the fp32 masters themselves),
+    plus what every rank adds: file framing for each tensor (FSDP2's ranks each frame a shard of every
+    one) and its JSON state. On the high side where less is saved: stage 0 in fp32 keeps no master
+    copy, ZeRO-3's model file holds no weights; tensors every tp rank holds whole are counted once."""
+    model_file = 0 if setup.engine == "fsdp2" else setup.lp_bytes
+    states = setup.params * (model_file + FP32 + ADAM_MOMENTS)
+    framing = len(parameter_tensors(setup.cfg.model)) * CHECKPOINT_BYTES_PER_TENSOR
+    return states + setup.world_size * (framing + CHECKPOINT_BYTES_PER_RANK)
 
 
 # ---------------------------------------------------------------- FSDP2 (per rank)

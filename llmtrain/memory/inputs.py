@@ -4,30 +4,14 @@ from a preset/config as `llmtrain train` reads it or from raw numbers (--params,
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from llmtrain.config import resolve
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
 from llmtrain.memory.formulas import Setup, setup_from_config
+from llmtrain.units import parse_bytes
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-}
 # The raw shape flags and the model keys they set; config's errors about these keys name the flag.
 SHAPE_FLAGS = {
     "--hidden-size": "hidden_size",
@@ -43,14 +27,15 @@ _RAW_MAX_POSITIONS = 1 << 24  # raw shapes: positions cost no memory, so never l
 
 def parse_size(text: str, flag: str) -> int:
     """'24GB' (1e9), '24GiB' (2^30), '1.5TB', '512MB', or plain bytes -> bytes; a ConfigError naming `flag`."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ConfigError(f"{flag}: cannot read {text!r} as a size; write e.g. 80GB, 24GiB or 1.5TB")
-    value = float(match.group(1)) * _UNITS[unit]
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        raise ConfigError(
+            f"{flag}: cannot read {text!r} as a size; write e.g. 80GB, 24GiB or 1.5TB"
+        ) from None
     if value <= 0:
         raise ConfigError(f"{flag}: must be positive, got {text!r}")
-    return int(value)
+    return value
 
 
 def parse_count(text: str, flag: str) -> int:

@@ -28,6 +28,7 @@ from llmtrain.data.shards import PreparedData
 from llmtrain.engine.base import Engine
 from llmtrain.engine.build import build_engine, engine_config
 from llmtrain.errors import RunFailure
+from llmtrain.memory.formulas import checkpoint_bytes, setup_from_config
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
 from llmtrain.parallel.layout import check_resume
@@ -125,6 +126,15 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     return trainer
 
 
+def space_rule(cfg: TrainConfig) -> checkpoint.SpaceRule:
+    """What a save must find free: checkpoint.min_free plus the checkpoint's size, which before the
+    run's first checkpoint is estimated from the parameter count and precision."""
+    setup = setup_from_config(cfg)
+    basis = f"the model's {setup.params:,} parameters in {cfg.train.precision}, no checkpoint yet"
+    estimate = checkpoint.SizeEstimate(checkpoint_bytes(setup), basis)
+    return checkpoint.SpaceRule(cfg.checkpoint.min_free, estimate)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -158,6 +168,7 @@ class Trainer:
         self.signal = StopSignal()
         self.last_save_time = time.monotonic()
         self.last_saved_step = -1
+        self.space = space_rule(cfg)
         self.state = self._register_state()
         self.metrics: MetricsLogger | None = None
 
@@ -330,6 +341,7 @@ class Trainer:
             world_size=self.world.world_size,
             keep=self.cfg.checkpoint.keep,
             keep_every=self.cfg.checkpoint.keep_every,
+            space=self.space,
         )
         self.hooks.after_save()
         self.last_save_time = time.monotonic()
