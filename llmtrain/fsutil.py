@@ -38,3 +38,14 @@ def check_output_file(path: Path, flag: str, force: bool) -> None:
         raise ConfigError(f"{flag} {path}: is a directory; give the path of a file to write")
     if path.exists() and not force:
         raise ConfigError(f"{flag} {path}: already exists; nothing was changed; pass --force to replace it")
+
+
+def refuse_foreign_names(flag: str, directory: Path, foreign: list[str], writer: str) -> None:
+    """A verb writing into `directory` never writes beside files it did not write: one line naming up to
+    three of them (`writer`: who would have written them), before any work is done."""
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"{flag} {directory}: holds files {writer} did not write ({shown}); nothing was changed; "
+            "give a new or empty directory"
+        )

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.config import ConfigError, TrainConfig, dump_yaml, load_run_config
-from llmtrain.fsutil import write_atomic
+from llmtrain.fsutil import refuse_foreign_names, write_atomic
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
@@ -101,13 +101,7 @@ def refuse_foreign_files(run_dir: Path) -> None:
     """A fresh run never writes beside files llmtrain did not write: refused before anything is written."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir}: not a directory; pass a new or empty directory")
-    foreign = foreign_names(run_dir)
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ConfigError(
-            f"--run-dir {run_dir}: holds files llmtrain did not write ({shown}); nothing was changed; "
-            "pass a new or empty directory"
-        )
+    refuse_foreign_names("--run-dir", run_dir, foreign_names(run_dir), "llmtrain")
 
 
 def train_run_dir(cfg: TrainConfig) -> Path:

@@ -4,12 +4,12 @@ are computed from its samples and whose engines end on the same losses."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchkit import assert_printed_and_written
 
 from bench.bench_engines import (
     ENGINES,
@@ -98,9 +98,7 @@ def test_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         ]
     )
     printed = capsys.readouterr().out
-    json_lines = [line for line in printed.splitlines() if line.startswith("{")]
-    assert len(json_lines) == 1 and json.loads(json_lines[0]) == result
-    assert json.loads(out.read_text()) == result
+    assert_printed_and_written(printed, result, out)
     assert "fp32 FSDP2/DeepSpeed: tokens/s" in printed
     assert {"torch", "deepspeed", "git_sha", "cpu_count"} <= set(result["machine"])
 

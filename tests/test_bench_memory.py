@@ -3,11 +3,11 @@ the whole benchmark (a real 1-process `llmtrain train`) whose samples and result
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchkit import assert_printed_and_written
 
 from bench.bench_memory import MetricsTail, growth, main, parse_args, sample_steps, verdict_line
 
@@ -56,9 +56,7 @@ def test_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     flags = ["--steps", "20", "--first", "10", "--every", "10", "--save-every", "20", "--limit", "3"]
     result = main([*flags, "--out", str(out)])
     printed = capsys.readouterr().out
-    json_lines = [line for line in printed.splitlines() if line.startswith("{")]
-    assert len(json_lines) == 1 and json.loads(json_lines[0]) == result
-    assert json.loads(out.read_text()) == result
+    assert_printed_and_written(printed, result, out)
     assert "PASS: RSS at step 20 / step 10" in printed
 
     samples = result["samples"]

@@ -4,11 +4,11 @@ sane numbers: bubbles between 0 and 1, activation peaks in the schedules' ratios
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from benchkit import assert_printed_and_written
 
 from bench.bench_pipeline import SavedActivations, main, parse_args
 
@@ -70,9 +70,7 @@ def test_a_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         ]
     )
     printed = capsys.readouterr().out
-    json_lines = [line for line in printed.splitlines() if line.startswith("{")]
-    assert len(json_lines) == 1 and json.loads(json_lines[0]) == result
-    assert json.loads(out.read_text()) == result
+    assert_printed_and_written(printed, result, out)
     assert "GPipe / 1F1B:" in printed
 
     setups = result["setups"]

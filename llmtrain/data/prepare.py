@@ -37,7 +37,7 @@ from llmtrain.data.shards import (
     splitmix64,
     token_dtype,
 )
-from llmtrain.fsutil import fsync_dir, write_atomic
+from llmtrain.fsutil import fsync_dir, refuse_foreign_names, write_atomic
 
 BATCH_DOCS = 1024  # documents per encode_batch call
 PARALLEL_MIN_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
@@ -201,12 +201,7 @@ def refuse_foreign_files(out: Path, flag: str) -> None:
         foreign = [MANIFEST]
     if not foreign and names == [TOKENIZER]:
         foreign = names
-    if foreign:
-        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ConfigError(
-            f"{flag} {out}: holds files prepare-data did not write ({listed}); nothing was changed; "
-            "give a new or empty directory"
-        )
+    refuse_foreign_names(flag, out, foreign, "prepare-data")
 
 
 def _written_by_prepare(path: Path) -> bool:
