@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from runkit import (
     EXACT_KEYS,
@@ -124,6 +125,9 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return checkpoint.consolidated_fp32_state_dict(run_dir / "checkpoints", checkpoint.tag_for(step))
 
 
+# The kill phase, then one uninterrupted reference of the steps it reached (faster than the kill phase,
+# which restarts over and over), and room for start-up: past the suite's 15-minute default per test.
+@pytest.mark.timeout(int(MINUTES * 60 * 2 + 900))
 def test_soak_kill_and_resume_at_random_points_ends_bitwise_equal(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     print(f"\nsoak: {MINUTES:g} min of kills and resumes, save every {SAVE_EVERY}, seed {SEED}")
