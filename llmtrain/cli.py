@@ -360,8 +360,15 @@ def resume_cmd(
 def worker_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The prepared run directory.")],
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
+    launch_env: Annotated[
+        Path | None, typer.Option("--launch-env", help="The launch's environment (a hostfile launch).")
+    ] = None,
 ) -> None:
     """One worker of a run prepared by `train` or `resume` (started by DeepSpeed's launcher)."""
+    if launch_env is not None:
+        from llmtrain.run import nodes
+
+        nodes.adopt_launch_environment(launch_env)  # before anything imports torch or DeepSpeed
     from llmtrain import rundir
     from llmtrain.run import launch
 

@@ -192,7 +192,13 @@ class LaunchConfig:
     launcher: Literal["pdsh", "openmpi", "mvapich", "slurm", "impi", "mpich"] = _f(
         "pdsh", "DeepSpeed multi-node runner"
     )
-    master_addr: str | None = _f(None, "address of rank 0 for multi-node runs")
+    master_addr: str | None = _f(None, "address of rank 0 for multi-node runs (default: the first host)")
+    launcher_args: str | None = _f(None, "extra arguments for the runner (pdsh, mpirun), as one string")
+    forward_env: str | None = _f(
+        None,
+        "more environment variables for the workers on every node, comma-separated (names that look "
+        "like secrets, e.g. WANDB_API_KEY, go only when named here)",
+    )
     master_port: int = _f(29500, "port of rank 0")
     collective_timeout_s: float = _f(600.0, "abort when a collective waits longer than this")
 

@@ -44,6 +44,8 @@ FLAG_KEYS: dict[str, str] = {
     "--launcher": "launch.launcher",
     "--master-addr": "launch.master_addr",
     "--master-port": "launch.master_port",
+    "--launcher-args": "launch.launcher_args",
+    "--forward-env": "launch.forward_env",
     "--collective-timeout": "launch.collective_timeout_s",
 }
 _KEY_FLAGS = {key: flag for flag, key in FLAG_KEYS.items()}

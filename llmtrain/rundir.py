@@ -39,6 +39,7 @@ TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"
 WANDB_DIR = "wandb"
 LOCK_FILE = "run.lock"
+LAUNCH_DIR = "launch"  # a hostfile launch's hostfile and the workers' environment (run.nodes)
 # Every name llmtrain writes at the top of a run directory (the one list: a fresh run refuses others).
 RUN_NAMES = frozenset(
     {
@@ -51,6 +52,7 @@ RUN_NAMES = frozenset(
         TOKENIZER_FILE,
         WANDB_DIR,
         LOCK_FILE,
+        LAUNCH_DIR,
     }
 )
 # What a write cut short leaves beside them: fsutil.write_atomic's `.NAME.tmpPID`, metrics' `NAME.tmp`.

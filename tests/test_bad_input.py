@@ -186,6 +186,17 @@ CASES: dict[str, Case] = {
     "hostfile-duplicate": Case(f"{T} --hostfile {{w}}/dup_hosts", "host host1 listed twice", RUN),
     "hostfile-too-few": Case(f"{T} --hostfile {{w}}/one_host --nodes 3", "3 nodes asked for but", RUN),
     "nodes-without-hostfile": Case(f"{T} --nodes 2", "--nodes: 2 nodes need --hostfile", RUN),
+    "hostfile-slots-short": Case(
+        f"{T} --hostfile {{w}}/one_host --gpus 4", "--gpus: 4 processes per node, but", RUN
+    ),
+    "launcher-not-installed": Case(
+        f"{T} --hostfile {{w}}/one_host --gpus 2 --launcher mvapich", "`mpiname` is not installed", RUN
+    ),
+    "forward-env-not-a-name": Case(
+        f"{T} --hostfile {{w}}/one_host --gpus 2 --forward-env WANDB_API_KEY,a-b",
+        "--forward-env: 'a-b' is not an environment variable name",
+        RUN,
+    ),
     "fresh-run-over-checkpoints": Case(
         "train --preset debug --run-dir {w}/ok_run",
         "already holds checkpoints; continue it with `llmtrain resume",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,7 +115,11 @@ def test_sigkill_of_one_rank_ends_the_job_naming_it_and_resume_is_exact(
     print(f"job ended {ended_in:.1f}s after SIGKILL of rank 1")
     assert code != 0
     assert ended_in < 60
-    named = [line for line in error_lines(output) if f"rank 1 (pid {victim.pid}) has died" in line]
+    named = [
+        line
+        for line in error_lines(output)
+        if f"rank 1 on {socket.gethostname()} (pid {victim.pid}) has died" in line
+    ]
     assert named, output[-3000:]
     assert named[0].startswith("error: rank 0: lost contact with another rank at step ")
     assert "Traceback" not in output

@@ -7,6 +7,7 @@ a CPU machine gets DeepSpeed's `cpu` accelerator and gloo without the user setti
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
+from llmtrain.parallel.node import node_name
 
 
 def select_accelerator() -> str:
@@ -140,14 +142,19 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 # ---------------------------------------------------------------- who failed: naming the rank
 #
 # A collective that fails (a peer died, or one is stuck and the gloo timeout fired) raises on the ranks
-# still waiting in it, but the error names no rank. Each rank leaves its host, pid and the step it last
-# reached in the process group's key-value store, so the ranks that notice can say which one it was.
+# still waiting in it, but the error names no rank. Each rank leaves its node, host, pid, a liveness
+# address and the step it last reached in the process group's key-value store, so the ranks that notice
+# can say which one it was. The liveness address is a listening socket nobody accepts on: the kernel
+# completes a connection to it while the process lives and refuses one once it has died, so a rank on
+# another node can tell a dead peer from a stuck one, and a node that went away from both.
 
 _PROCESS_KEY = "llmtrain/process/{rank}"
 _PROGRESS_KEY = "llmtrain/progress/{rank}"
 _STORE_QUERY_TIMEOUT = timedelta(seconds=5)
+_PROBE_TIMEOUT_S = 3.0
 _TIMEOUT_TEXT = ("timed out", "timeout")
 _LOST_TEXT = ("connection closed", "connection reset", "broken pipe", "connection refused")
+_liveness: list[socket.socket] = []  # kept open for the life of the process
 
 
 class CollectiveFailed(RunFailure):
@@ -166,7 +173,23 @@ def _store() -> Any:
 def _register_process(rank: int) -> None:
     store = _store()
     if store is not None:
-        store.set(_PROCESS_KEY.format(rank=rank), f"{socket.gethostname()} {os.getpid()}")
+        process = {"node": node_name(), "host": socket.gethostname(), "pid": os.getpid()}
+        store.set(_PROCESS_KEY.format(rank=rank), json.dumps({**process, "probe": _open_liveness_probe()}))
+
+
+def _open_liveness_probe() -> list[Any] | None:
+    """[address, port] the other ranks can connect to while this process lives (None if none can be had)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:  # no packet sent: picks the route
+            route.connect(
+                (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1")))
+            )
+            address = route.getsockname()[0]
+        probe = socket.create_server(("", 0), backlog=64)
+    except OSError:
+        return None
+    _liveness.append(probe)
+    return [address, probe.getsockname()[1]]
 
 
 def note_progress(rank: int, step: int) -> None:
@@ -210,14 +233,33 @@ def _describe_peers(rank: int, step: int | None) -> str:
 def _describe_peer(store: Any, peer: int, step: int | None) -> str:
     process_key, progress_key = _PROCESS_KEY.format(rank=peer), _PROGRESS_KEY.format(rank=peer)
     if store.check([process_key]):
-        host, pid = store.get(process_key).decode().split()
-        if host == socket.gethostname() and not _alive(int(pid)):
-            return f"rank {peer} (pid {pid}) has died (crashed or killed)"
+        process = json.loads(store.get(process_key).decode())
+        where = f"rank {peer} on {process['node']} (pid {process['pid']})"
+        state = _peer_state(process)
+        if state == "dead":
+            return f"{where} has died (crashed or killed)"
+        if state == "unreachable":
+            return f"{where} cannot be reached: its node is down or the network to it failed"
     if step is not None:
         reached = int(store.get(progress_key).decode()) if store.check([progress_key]) else 0
         if reached < step:
             return f"rank {peer} is stuck: it never reached step {step} (last at step {reached})"
     return ""
+
+
+def _peer_state(process: dict[str, Any]) -> str:
+    """'alive', 'dead' or 'unreachable' (or 'unknown': no probe and on another host)."""
+    if process["host"] == socket.gethostname():
+        return "alive" if _alive(int(process["pid"])) else "dead"
+    if not process.get("probe"):
+        return "unknown"
+    try:
+        socket.create_connection(tuple(process["probe"]), timeout=_PROBE_TIMEOUT_S).close()
+    except ConnectionRefusedError:
+        return "dead"
+    except OSError:
+        return "unreachable"
+    return "alive"
 
 
 def _alive(pid: int) -> bool:

@@ -26,31 +26,26 @@ from llmtrain import rundir
 from llmtrain.config import TrainConfig
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
 from llmtrain.parallel.distributed import inside_launcher
-from llmtrain.run.prepare import PreparedRun, freeze
+from llmtrain.run import nodes
+from llmtrain.run.prepare import PreparedRun, freeze, read_hostfile
 
 
 def needs_relaunch(cfg: TrainConfig) -> bool:
     return cfg.world_size > 1 and not inside_launcher()
 
 
-def deepspeed_command(cfg: TrainConfig, worker_args: list[str]) -> list[str]:
+def deepspeed_command(cfg: TrainConfig, worker_args: list[str], files: nodes.LaunchFiles | None) -> list[str]:
+    """DeepSpeed's runner for this run: on this machine, or on the nodes of `files` (a hostfile launch)."""
     launch = cfg.launch
     runner = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-    cmd = [runner, "--num_gpus", str(launch.gpus), "--master_port", str(launch.master_port)]
-    if launch.hostfile is not None:
-        cmd += [
-            "--hostfile",
-            launch.hostfile,
-            "--num_nodes",
-            str(launch.nodes),
-            "--launcher",
-            launch.launcher,
-        ]
-        if launch.master_addr:
-            cmd += ["--master_addr", launch.master_addr]
+    cmd = [runner, "--master_port", str(launch.master_port)]
+    if files is not None:
+        # The hostfile lists exactly the nodes and slots used: the MPI runners refuse --num_nodes/--num_gpus.
+        cmd += ["--hostfile", str(files.hostfile), "--launcher", launch.launcher]
+        cmd += ["--master_addr", files.master_addr, *nodes.runner_args(launch)]
     else:
         # No hostfile: single node on this machine (DeepSpeed refuses --num_nodes > 1 without one).
-        cmd += ["--hostfile", os.devnull]
+        cmd += ["--num_gpus", str(launch.gpus), "--hostfile", os.devnull]
     # DeepSpeed's runner and launch.py log every spawn (INFO) and our /dev/null hostfile (WARNING);
     # a failing worker is still reported (ERROR). --debug (LLMTRAIN_DEBUG) brings the rest back.
     cmd += ["--log_level", "info" if debug_requested() else "error"]
@@ -82,9 +77,16 @@ def quiet_worker_output() -> None:
     logger.setLevel(logging.WARNING)
 
 
-def relaunch(cfg: TrainConfig, worker_args: list[str]) -> int:
+def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
     """Run the workers under DeepSpeed's launcher; returns its exit code."""
-    cmd = deepspeed_command(cfg, worker_args)
+    args = worker_args(run_dir, resume)
+    if cfg.launch.hostfile is None:
+        return _run_runner(deepspeed_command(cfg, args, None))
+    with nodes.launch_files(cfg.launch, read_hostfile(cfg.launch.hostfile), run_dir) as files:
+        return _run_runner(deepspeed_command(cfg, [*args, "--launch-env", str(files.env_file)], files))
+
+
+def _run_runner(cmd: list[str]) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     forward = _SignalForwarder(proc.pid)
@@ -137,7 +139,7 @@ def start(prepared: PreparedRun) -> int:
     try:
         if not needs_relaunch(prepared.cfg):
             return train_here(prepared.cfg, prepared.run_dir, prepared.resume)
-        code = relaunch(prepared.cfg, worker_args(prepared.run_dir, prepared.resume))
+        code = relaunch(prepared.cfg, prepared.run_dir, prepared.resume)
     except BadInput:
         _undo(prepared, undo_freeze)
         raise

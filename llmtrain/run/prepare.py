@@ -25,6 +25,7 @@ from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
 from llmtrain.parallel.layout import check_resume
+from llmtrain.run import nodes
 from llmtrain.train import faults, schedule
 
 # Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
@@ -202,5 +203,7 @@ def check_launch(cfg: TrainConfig) -> None:
                 f"{flag_for('launch.nodes')}: {launch.nodes} nodes asked for but {launch.hostfile} lists "
                 f"{len(hosts)}; add hosts or lower --nodes"
             )
+        if cfg.world_size > 1 and not inside_launcher():  # this process will start the runner
+            nodes.check(launch, hosts)
     elif launch.nodes > 1:
         raise ConfigError(f"{flag_for('launch.nodes')}: {launch.nodes} nodes need --hostfile listing them")

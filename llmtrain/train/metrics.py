@@ -35,6 +35,7 @@ from rich.table import Table
 
 from llmtrain import rundir
 from llmtrain.config import ModelConfig, TrainConfig, to_dict
+from llmtrain.parallel.node import output_relayed
 from llmtrain.presets import count_parameters
 
 if TYPE_CHECKING:
@@ -222,8 +223,10 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.peak_flops_total = peak_flops_total
         self.stream = stream if stream is not None else sys.stdout
-        self.interactive = self.stream.isatty() if interactive is None else interactive
-        self.console = Console(file=self.stream, force_terminal=self.interactive or None, highlight=False)
+        if interactive is None:
+            interactive = self.stream.isatty() and not output_relayed()
+        self.interactive = interactive
+        self.console = Console(file=self.stream, force_terminal=self.interactive, highlight=False)
         self._file: TextIO | None = None
         self._progress: Progress | None = None
         self._task: TaskID | None = None
