@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,27 @@ def latest(run_dir: Path) -> str | None:
 
 def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+# All llmtrain prints before its first progress line (`step N/M ...`): nothing on a fresh start, else
+# its own warnings (`warning: ...`: a lock taken over, a checkpoint passed over) and a wait for the run
+# directory's lock (`waiting up to N s for ...`).
+OWN_START_LINE = re.compile(r"^(warning: |waiting up to \d)")
+
+
+def start_lines(output: str) -> list[str]:
+    """The lines before the first progress line (all of them when there is none)."""
+    lines = output.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("step ")), len(lines))
+    return lines[:first]
+
+
+def foreign_lines(lines: list[str], *allowed_prefixes: str) -> list[str]:
+    """The lines llmtrain did not print (DeepSpeed's reports, banners, log records), less those starting
+    with `allowed_prefixes` (another program's that the run asked for, e.g. `wandb: `)."""
+    return [
+        line for line in lines if not OWN_START_LINE.match(line) and not line.startswith(allowed_prefixes)
+    ]
 
 
 class Payload:

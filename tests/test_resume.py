@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 from dist import free_port
-from runkit import Payload, kill_tree, rewrite_manifest_entry
+from runkit import Payload, foreign_lines, kill_tree, rewrite_manifest_entry, start_lines
 
 pytestmark = pytest.mark.slow
 
@@ -367,6 +367,28 @@ def ref_fsdp2_2(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def ref_fsdp2_1(root: Path) -> Path:
     return _reference(root, FSDP2_1)
+
+
+ONE_PROCESS_REFERENCES = {
+    "ref_fp32_1": FP32_1,
+    "ref_bf16_1": BF16_1,
+    "ref_zero0_1": ZERO0_1,
+    "ref_zero3_1": ZERO3_1,
+    "ref_offload_1": OFFLOAD_1,
+    "ref_fsdp2_1": FSDP2_1,
+}
+
+
+@pytest.mark.parametrize("ref_name", list(ONE_PROCESS_REFERENCES))
+def test_one_process_prints_nothing_of_deepspeed_s_before_its_first_step(
+    root: Path, ref_name: str, request: pytest.FixtureRequest
+) -> None:
+    """Every ZeRO stage, CPU offload and FSDP2: no accelerator warning, op-builder line or bf16 memory
+    report (`MA 0.38 GB ...`, `CPU Virtual Memory: ...`) ahead of the progress, on stdout or stderr."""
+    request.getfixturevalue(ref_name)
+    setup = ONE_PROCESS_REFERENCES[ref_name]
+    output = (root / f"ref_{setup.name}.log").read_text(errors="replace")  # stdout and stderr together
+    assert foreign_lines(start_lines(output)) == [], output[:3000]
 
 
 # ---------------------------------------------------------------- 1. a crash: exit fault, then resume

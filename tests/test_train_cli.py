@@ -2,10 +2,11 @@
 
 The multi-process jobs run concurrently in one module fixture (each costs ~30 s of CPU, mostly imports,
 on 2 cores):
-- `one_node`: `train --gpus 2` under DeepSpeed's launcher, with `--wandb offline` and a fake API key;
+- `one_node`: `train --gpus 2` under DeepSpeed's launcher, with `--wandb offline` and a fake API key,
+  DS_ACCELERATOR unset as on a user's CPU machine;
 - `two_nodes`: torchrun `--nnodes 2 --nproc-per-node 1`, node ranks 0 and 1 on loopback, each running
-  `python -m llmtrain train` (inside a launcher: no relaunch, world size from the launcher), with a
-  configured per-device peak (`logging.peak_flops`) so MFU is logged on CPU too;
+  `python -m llmtrain --debug train` (inside a launcher: no relaunch, world size from the launcher), with
+  a configured per-device peak (`logging.peak_flops`) so MFU is logged on CPU too;
 - `crash`: `train --gpus 2` where rank 1 exits abruptly after its third step (LLMTRAIN_FAULTS).
 Bad input is checked on light single-process invocations that fail before any training starts.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from dist import free_port
+from runkit import foreign_lines, start_lines
 
 from llmtrain.train.metrics import METRICS_FILE, WANDB_ID_FILE, read_metrics
 
@@ -95,6 +97,12 @@ def _start(name: str, tmp: Path, commands: list[list[str]], env: dict[str, str],
     return Job(name, procs, logs, run_dir, time.monotonic())
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _llmtrain(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmtrain", *args]
 
@@ -104,7 +112,7 @@ def _torchrun_node(node_rank: int, port: int, run_dir: Path) -> list[str]:
     return [
         torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
         "--master-addr", "127.0.0.1", "--master-port", str(port),
-        "-m", "llmtrain", "train", *TRAIN_ARGS, "--run-dir", str(run_dir),
+        "-m", "llmtrain", "--debug", "train", *TRAIN_ARGS, "--run-dir", str(run_dir),
         "--set", f"logging.peak_flops={PEAK_FLOPS:g}",
     ]  # fmt: skip
 
@@ -121,7 +129,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     crashing = _llmtrain(
         "train", *TRAIN_ARGS, "--gpus", "2", "--run-dir", str(crash), "--master-port", str(free_port())
     )
-    wandb_env = _env(WANDB_API_KEY=FAKE_KEY, WANDB_MODE=None)  # the flag alone selects offline mode
+    # The flag alone selects offline mode. On a machine without a GPU, DS_ACCELERATOR is left unset as
+    # users leave it (llmtrain names the accelerator for DeepSpeed's runner, launch.py and the workers).
+    accelerator = "cpu" if _has_gpu() else None
+    wandb_env = _env(WANDB_API_KEY=FAKE_KEY, WANDB_MODE=None, DS_ACCELERATOR=accelerator)
     started = [
         _start("one_node", tmp, [one_node], wandb_env, one),
         _start("two_nodes", tmp, [_torchrun_node(r, rendezvous, two) for r in (0, 1)], _env(), two),
@@ -169,6 +180,10 @@ def test_output_is_quiet_and_machine_readable_when_not_a_terminal(jobs: dict[str
     assert "FutureWarning" not in everything and "is deprecated" not in everything
     assert "\x1b[" not in stdout  # no terminal control codes (no rich progress bar)
     assert "[WARNING]" not in stdout
+    # Before the progress: llmtrain's own lines only (wandb's, which the run asked for, on stderr), in
+    # none of the four processes (DeepSpeed's runner, launch.py, two workers).
+    foreign = foreign_lines([*start_lines(stdout), *job.stderr().splitlines()], "wandb: ")
+    assert foreign == [], everything[-3000:]
     # A script can parse the progress lines.
     pattern = re.compile(r"^step (\d+)/6 loss (\d+\.\d{4}) lr \S+ gnorm \S+ tok/s \d+")
     parsed = [pattern.match(line) for line in _step_lines(stdout)]
@@ -226,6 +241,15 @@ def test_mfu_counts_every_process_of_the_job_not_the_gpus_flag(jobs: dict[str, J
         # metrics.jsonl holds the floats unrounded (JSON round-trips them), so this is exact up to the
         # order of the operations; the peak is 2 processes x PEAK_FLOPS.
         assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * per_token / (PEAK_FLOPS * 2), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_debug_brings_deepspeed_s_own_lines_back(jobs: dict[str, Job]) -> None:
+    job = jobs["two_nodes"]  # run with `llmtrain --debug`
+    assert job.codes == [0, 0], job.stderr(0)[-3000:]
+    start = "\n".join(start_lines(job.stdout(0)))
+    assert "[INFO]" in start and "DeepSpeed info: version=" in start  # DeepSpeed's logger at INFO
+    assert "deepspeed_shm_comm_op built successfully" in start  # an op builder's print, not held back
 
 
 # ---------------------------------------------------------------- a rank that dies

@@ -20,6 +20,7 @@ from llmtrain.config import TrainConfig
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.model import build_model
 from llmtrain.parallel.layout import process_groups
+from llmtrain.quiet import held_stdout
 
 
 def build_engine(
@@ -41,7 +42,8 @@ def build_engine(
     if cfg.train.compile:
         model.compile_blocks()
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
+    with held_stdout():  # the bf16 optimizer prints memory reports
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
     plain = cfg.zero.stage == 0 and cfg.train.precision == "fp32"
     return DeepSpeedEngine(engine, device, plain_optimizer=plain)
 

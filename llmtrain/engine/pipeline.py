@@ -21,8 +21,6 @@ gradient DeepSpeed sums with the first stage's every step, so both copies stay e
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +48,7 @@ from llmtrain.model import (
 )
 from llmtrain.parallel import stages
 from llmtrain.parallel.layout import process_groups
+from llmtrain.quiet import held_stdout
 
 TIED_KEY = "embed"
 
@@ -179,9 +178,9 @@ def layer_specs(cfg: TrainConfig, device: torch.device) -> list[Any]:
 
 def build_pipeline(cfg: TrainConfig, device: torch.device) -> LlamaPipeline:
     """This rank's stage of the model, initialised as a one-process build from the run's seed."""
-    # DeepSpeed prints its topology (stdout is the run's progress), and broadcasts a tied embedding
-    # in place (outside autograd: the weights are initialised below).
-    with contextlib.redirect_stdout(sys.stderr), torch.no_grad():
+    # DeepSpeed prints its seeds and topology (held back: stdout is the run's progress), and broadcasts
+    # a tied embedding in place (outside autograd: the weights are initialised below).
+    with held_stdout(), torch.no_grad():
         pipe = LlamaPipeline(
             cfg.model,
             cfg.parallel.pp_partition,
@@ -309,7 +308,8 @@ def build_engine(
     process_groups(cfg.layout(world_size))
     pipe = build_pipeline(cfg, device)
     groups = param_groups(named_parameters(pipe), cfg.optim.weight_decay)
-    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
+    with held_stdout():  # the bf16 optimizer prints memory reports
+        engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
     install_schedule(engine, cfg.parallel.pp_schedule)
     return PipelineEngine(engine, device)
 

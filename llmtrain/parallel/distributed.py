@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
 from llmtrain.parallel.node import node_name
+from llmtrain.quiet import held_stdout
 
 
 def select_accelerator() -> str:
@@ -71,8 +72,12 @@ def init(timeout_s: float = 600.0) -> World:
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device
             )
-        # Creates the process group, or (under torchrun) adopts the one just made.
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, rank=rank, world_size=world_size)
+        # Creates the process group, or (under torchrun) adopts the one just made. On a CPU its shm
+        # all-reduce op is loaded here, and its builder prints that it was.
+        with held_stdout():
+            deepspeed.init_distributed(
+                dist_backend=backend, timeout=timeout, rank=rank, world_size=world_size
+            )
     _register_process(rank)
     return World(rank=rank, local_rank=local_rank, world_size=world_size, accelerator=accelerator)
 

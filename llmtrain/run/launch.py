@@ -11,7 +11,6 @@ step, save and exit 0 (DeepSpeed's launch.py would kill them after 30 s and exit
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import signal
@@ -25,7 +24,8 @@ from types import FrameType
 from llmtrain import rundir
 from llmtrain.config import TrainConfig
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
-from llmtrain.parallel.distributed import inside_launcher
+from llmtrain.parallel.distributed import inside_launcher, select_accelerator
+from llmtrain.quiet import debug_requested
 from llmtrain.run import nodes
 from llmtrain.run.prepare import PreparedRun, freeze, read_hostfile
 
@@ -52,29 +52,22 @@ def deepspeed_command(cfg: TrainConfig, worker_args: list[str], files: nodes.Lau
     return [*cmd, "--no_local_rank", "--module", "llmtrain", *worker_args]
 
 
-DEBUG_ENV = "LLMTRAIN_DEBUG"  # set by `llmtrain --debug`, inherited by the workers
-
-
-def debug_requested() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
 def quiet_worker_output() -> None:
-    """Machine-readable worker output: no FutureWarning from DeepSpeed's use of deprecated torch
-    collectives on every step, DeepSpeed's logger at WARNING (unless --debug)."""
+    """Machine-readable worker output; before anything imports DeepSpeed. The accelerator is named
+    (DeepSpeed guessing it at import warns that it did); DeepSpeed's logger keeps its level, WARNING;
+    the FutureWarning from DeepSpeed's use of deprecated torch collectives on every step is ignored.
+    With --debug: DeepSpeed's logger at INFO and every warning shown."""
+    select_accelerator()
     if debug_requested():
+        from deepspeed.utils import set_log_level_from_string
+
+        set_log_level_from_string("info")
         return
     warnings.filterwarnings(
         "ignore",
         message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
         category=FutureWarning,
     )
-    from llmtrain.parallel.distributed import select_accelerator
-
-    select_accelerator()  # before DeepSpeed's first import, which picks its accelerator
-    from deepspeed.utils import logger
-
-    logger.setLevel(logging.WARNING)
 
 
 def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
@@ -87,7 +80,10 @@ def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
 
 
 def _run_runner(cmd: list[str]) -> int:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # DeepSpeed's runner imports DeepSpeed, as do the launch.py and workers it starts on this machine:
+    # with the accelerator named, none of them guesses it and warns that it did (a hostfile's nodes
+    # choose their own).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR=select_accelerator())
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     forward = _SignalForwarder(proc.pid)
     try:
@@ -154,9 +150,9 @@ def worker_args(run_dir: Path, resume: bool) -> list[str]:
 
 
 def train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
+    quiet_worker_output()  # before the trainer's imports bring in DeepSpeed
     from llmtrain.train import trainer
 
-    quiet_worker_output()
     summary = trainer.run(cfg, run_dir, resume=resume)
     return 0 if summary is not None else 1
 
