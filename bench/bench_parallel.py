@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_train import THREADS, measure_step_memory, random_batches
-from bench.ranks import RankGroup, all_ready, serve_commands
+from bench.ranks import REPO, RankGroup, all_ready, serve_commands, write_result
 
 WORLD_SIZE = 2
+DEFAULT_OUT = REPO / "bench" / "results" / "parallel.json"
 LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "sp2": (1, 2)}  # name -> (tp, sp)
 BUDGET_LAYOUTS = ("dp2", "sp2")  # whose step peak is measured at every --memory-seq-lens
 # A fitted seq_len is rounded down to a multiple of this: the fit is not finer, and the result stays
@@ -192,6 +193,7 @@ class Measured:
     tokens_per_sec: float  # the whole job's
     step_peak_mib: dict[int, float]  # seq_len -> step peak
     losses: list[float]
+    step_times_s: list[float]  # every step, warm-up included
 
 
 def measure(setups: list[Setup], args: argparse.Namespace, log_dir: Path) -> list[Measured]:
@@ -213,6 +215,7 @@ def measure(setups: list[Setup], args: argparse.Namespace, log_dir: Path) -> lis
                     tokens_per_sec=pair.setup.tokens_per_step / statistics.median(pair.times[args.warmup :]),
                     step_peak_mib=peaks,
                     losses=pair.losses,
+                    step_times_s=pair.times,
                 )
             )
     return results
@@ -269,6 +272,9 @@ def print_table(results: list[Measured], default_seq: int) -> dict[str, Any]:
             "param_bytes": m.param_bytes,
             "step_peak_mib": peak,
             "tokens_per_sec": m.tokens_per_sec,
+            "step_peaks_mib_by_seq_len": m.step_peak_mib,
+            "step_times_s": m.step_times_s,
+            "losses": m.losses,
         }
     for m in results[1:]:
         ratios = {
@@ -337,6 +343,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # 512 MiB: with the default shape both answers fall within the measured seq_lens. At 1,024 MiB the
     # line extrapolated sp2 to 1,920 tokens, where its peak measured 16% above the line.
     parser.add_argument("--budget-mib", type=float, default=512.0, help="per-rank step-peak budget")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON results go")
     args = parser.parse_args(argv)
     args.memory_seq_lens = sorted({*args.memory_seq_lens, args.seq_len})
     if len(args.memory_seq_lens) < 2 or any(n % WORLD_SIZE for n in args.memory_seq_lens):
@@ -346,6 +353,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """`python -m bench` calls this with no arguments: the defaults."""
+    from llmtrain import rundir
     from llmtrain.presets import PRESETS, count_parameters
 
     args = parse_args(argv or [])
@@ -370,7 +378,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "a straight line fitted per layout and solved for the budget:"
     )
     budget = print_budget(results, args.budget_mib)
-    return {"layouts": table, "budget": budget, "settings": vars(args)}
+    result = {
+        # Not the output path: the file is where it is, and the path would name this machine.
+        "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "world_size": WORLD_SIZE},
+        "parameters": params,
+        "machine": rundir.environment(WORLD_SIZE),
+        "layouts": table,
+        "budget": budget,
+    }
+    write_result(result, args.out)
+    return result
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ N_BATCHES = 4  # distinct random batches, cycled
 THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 WORKER_TIMEOUT_S = 600.0
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "results" / "train.json"
 
 
 @dataclass(frozen=True)
@@ -402,19 +403,29 @@ def _print_group(title: str, group: list[Worker], baseline: Worker) -> dict[str,
             "memory_ratio": memory,
             "step_times_s": w.times,
             "step_cpu_s": w.cpu_times,
+            "losses": w.losses,
         }
     return out
 
 
-def main() -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """`python -m bench` calls this with no arguments: the defaults."""
+    import argparse
+
+    from bench.ranks import write_result
+    from llmtrain import rundir
     from llmtrain.presets import PRESETS, count_parameters
 
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_train", description=__doc__)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON results go")
+    out = parser.parse_args(argv or []).out
     params = count_parameters(**PRESETS[PRESET])
     print(
         f"{PRESET} preset ({params / 1e6:.1f}M parameters), seq_len {SEQ_LEN}, micro-batch {MICRO_BATCH}, "
         f"1 process, {THREADS} thread(s) (BENCH_THREADS); each setup in its own process, steps interleaved; "
         f"median tokens/s over {MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up"
     )
+    started = time.perf_counter()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
         log_dir = Path(tmp)
@@ -432,10 +443,43 @@ def main() -> dict[str, Any]:
             baseline=group[0],
         )
         bare, ours = group
+        check_same_arithmetic(bare, ours)
         overhead = bare.tokens_per_sec / ours.tokens_per_sec - 1
         print(f"  llmtrain's overhead over the bare loop: {overhead:+.1%} step time (goal <= 5%)")
         results["overhead"]["overhead_fraction"] = overhead
-    return results
+    result = {
+        "settings": {
+            "preset": PRESET,
+            "seq_len": SEQ_LEN,
+            "micro_batch": MICRO_BATCH,
+            "warmup_steps": WARMUP_STEPS,
+            "measured_steps": MEASURED_STEPS,
+            "threads": THREADS,
+        },
+        "parameters": params,
+        "machine": rundir.environment(1),
+        **results,
+        "seconds": time.perf_counter() - started,
+    }
+    write_result(result, out)
+    return result
+
+
+OVERHEAD_LOSS_RTOL = 1e-5
+
+
+def check_same_arithmetic(bare: Worker, ours: Worker) -> None:
+    """The overhead comparison is fair only if both loops compute the same thing: every step's loss
+    equal (fp32; only the order of a few reductions may differ)."""
+    for step, (a, b) in enumerate(zip(bare.losses, ours.losses, strict=True), 1):
+        if abs(a - b) > OVERHEAD_LOSS_RTOL * abs(a):
+            raise RuntimeError(
+                f"overhead comparison invalid: step {step} loss {b!r} (llmtrain) != {a!r} (bare loop); "
+                "the two loops no longer compute the same update"
+            )
+    print(
+        f"  both loops end on the same loss: {ours.losses[-1]:.6f} (llmtrain), {bare.losses[-1]:.6f} (bare)"
+    )
 
 
 def profile(setup: Setup, steps: int = 2, rows: int = 15) -> str:
@@ -443,6 +487,8 @@ def profile(setup: Setup, steps: int = 2, rows: int = 15) -> str:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
+    from llmtrain.train.profile import top_operators
 
     torch.set_num_threads(THREADS)
     runner = RUNNERS[setup.kind](setup, Path(tempfile.mkdtemp(prefix="bench_train-run-")))
@@ -452,10 +498,7 @@ def profile(setup: Setup, steps: int = 2, rows: int = 15) -> str:
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(steps):
             runner.step(batches[i])
-    table: str = prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=45, max_shapes_column_width=60
-    )
-    return table
+    return top_operators(prof, rows=rows, by_shape=True)
 
 
 if __name__ == "__main__":
@@ -466,4 +509,4 @@ if __name__ == "__main__":
         args = [*sys.argv[2:], "1", "bf16"][:3] if len(sys.argv) == 3 else [*sys.argv[2:], "bf16"][:3]
         print(profile(Setup(args[0], int(args[1]), args[2])))
     else:
-        main()
+        main(sys.argv[1:])

@@ -380,7 +380,7 @@ def _exit_with(code: int) -> None:
         raise typer.Exit(code)
 
 
-# ---------------------------------------------------------------- using a run: generate, eval, export, runs
+# ---------------------------------------------------------------- using a run: generate, eval, export, runs, plot
 
 _SOURCE_HELP_EVAL = (
     "A text source (as for prepare-data) or a prepared directory, read with the run's tokenizer."
@@ -488,6 +488,43 @@ def runs_cmd(
         print(json.dumps(doc, indent=2))
     else:
         runs.render(doc)
+
+
+@app.command("plot")
+def plot_cmd(
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="One or more run directories, drawn together.", metavar="RUN_DIR", show_default=False
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="The PNG to write; default RUN_DIR/curves.png for one run, curves.png here for several.",
+            show_default=False,
+        ),
+    ] = None,
+    x: Annotated[
+        str | None, typer.Option("--x", help="The x axis: step (default) or tokens (cumulative).")
+    ] = None,
+    text: Annotated[
+        bool, typer.Option("--text", help="No PNG: print each run's loss as a sparkline and its numbers.")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+) -> None:
+    """Loss curves of runs from their metrics.jsonl: loss (and validation loss), learning rate, gradient
+    norm and tokens/s, one colour per run."""
+    from llmtrain import plot
+
+    if text:
+        for flag, given in (("--out", out is not None), ("--x", x is not None), ("--force", force)):
+            if given:
+                raise ConfigError(f"{flag}: --text prints and draws no PNG; drop {flag} or --text")
+        print(plot.text_report(run_dirs))
+        return
+    print(f"wrote {plot.plot_runs(run_dirs, out, x or 'step', force)}")
 
 
 # ---------------------------------------------------------------- data verbs

@@ -172,6 +172,11 @@ class LoggingConfig:
     wandb_project: str = _f("llmtrain", "wandb project")
     run_name: str | None = _f(None, "run name; default derived from the run directory")
     peak_flops: float | None = _f(None, "peak FLOP/s of one device for MFU; none = the known GPUs' bf16 peak")
+    profile: str | None = _f(
+        None,
+        "START:STEPS: torch.profiler trace of optimizer steps START..START+STEPS-1 (1-based, as the "
+        "progress lines number them) into RUN_DIR/profile/",
+    )
 
 
 @dataclass
@@ -662,9 +667,38 @@ def _validate_other(cfg: TrainConfig) -> None:
         "logging.run_name",
         f"{name!r} is not a plain name; use letters, digits, '.', '_' and '-' only (no path)",
     )
+    _validate_profile(cfg)
     st = cfg.stability
     _require(st.window > 1, "stability.window", "must be at least 2")
     _require(st.max_consecutive_skips > 0, "stability.max_consecutive_skips", "must be positive")
     _require(cfg.launch.collective_timeout_s > 0, "launch.collective_timeout_s", "must be positive")
     _require(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     _require(cfg.data.num_proc > 0, "data.num_proc", "must be positive")
+
+
+_PROFILE_WINDOW = re.compile(r"(\d+):(\d+)")
+
+
+def profile_window(text: str) -> range:
+    """`logging.profile`'s START:STEPS as the optimizer step numbers it covers (1-based, as printed)."""
+    match = _PROFILE_WINDOW.fullmatch(text.strip())
+    if match is None:
+        raise ConfigError(
+            f"{flag_for('logging.profile')}: expected START:STEPS (e.g. 5:2 profiles steps 5 and 6), got {text!r}"
+        )
+    start, steps = int(match[1]), int(match[2])
+    _require(start >= 1, "logging.profile", f"START counts steps from 1, got {text!r}; e.g. 5:2")
+    _require(steps >= 1, "logging.profile", f"STEPS must be at least 1, got {text!r}; e.g. 5:2")
+    return range(start, start + steps)
+
+
+def _validate_profile(cfg: TrainConfig) -> None:
+    if cfg.logging.profile is None:
+        return
+    window = profile_window(cfg.logging.profile)
+    _require(
+        window[-1] <= cfg.total_steps,
+        "logging.profile",
+        f"{cfg.logging.profile} profiles steps {window.start}-{window[-1]}, past the run's last step "
+        f"{cfg.total_steps}; give START:STEPS within the run",
+    )

@@ -38,6 +38,7 @@ FLAG_KEYS: dict[str, str] = {
     "--keep-every": "checkpoint.keep_every",
     "--log-every": "logging.log_every",
     "--wandb": "logging.wandb",
+    "--profile": "logging.profile",
     "--gpus": "launch.gpus",
     "--nodes": "launch.nodes",
     "--hostfile": "launch.hostfile",

@@ -20,14 +20,19 @@ def fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write, fsync, rename over `path`, fsync the directory: readers see old or new, never half."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write, fsync, rename over `path`, fsync the directory: readers see old or new, never half.
+    Text is written as UTF-8, bytes as they are. A write that fails leaves no temporary file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -5,10 +5,12 @@ RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize (--e
 RUN_DIR/fsdp2_plan.json   FSDP2's units, policies, optimizer and batch (--engine fsdp2)
 RUN_DIR/environment.json  library versions, git sha, hardware, world size
 RUN_DIR/metrics.jsonl     one record per logged step (train/metrics.py)
+RUN_DIR/curves.png        its loss curves, redrawn at each evaluation and at the end (plot.py)
 RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (the checkpoint package)
 RUN_DIR/tokenizer.json    the tokenizer the data was prepared with (generate / eval / export use it)
 RUN_DIR/wandb/            Weights & Biases' files and the run's wandb id (--wandb offline|online)
 RUN_DIR/run.lock          held by the run's one writer (run/lock.py); names it while it runs
+RUN_DIR/profile/          --profile's traces and memory snapshots, one file per rank (train/profile.py)
 
 A fresh `train` writes only into a new or empty directory, or over the files of a run of llmtrain's that
 never saved a checkpoint (`RUN_NAMES`): never beside files llmtrain did not write.
@@ -37,9 +39,11 @@ ENVIRONMENT_FILE = "environment.json"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
 METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
 WANDB_DIR = "wandb"
 LOCK_FILE = "run.lock"
 LAUNCH_DIR = "launch"  # a hostfile launch's hostfile and the workers' environment (run.nodes)
+PROFILE_DIR = "profile"  # --profile's traces and memory snapshots (train/profile.py)
 # Every name llmtrain writes at the top of a run directory (the one list: a fresh run refuses others).
 RUN_NAMES = frozenset(
     {
@@ -48,11 +52,13 @@ RUN_NAMES = frozenset(
         FSDP2_PLAN_FILE,
         ENVIRONMENT_FILE,
         METRICS_FILE,
+        CURVES_FILE,
         CHECKPOINT_DIR,
         TOKENIZER_FILE,
         WANDB_DIR,
         LOCK_FILE,
         LAUNCH_DIR,
+        PROFILE_DIR,
     }
 )
 # What a write cut short leaves beside them: fsutil.write_atomic's `.NAME.tmpPID`, metrics' `NAME.tmp`.

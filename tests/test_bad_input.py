@@ -54,6 +54,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (w / "bad_hosts").write_text("host1 slots=2\nhost2 slots\n")
     (w / "dup_hosts").write_text("host1 slots=2\nhost1 slots=2\n")
     (w / "one_host").write_text("host1 slots=2\n")
+    (w / "taken.png").write_bytes(b"")
     train_tokenizer([TEXT], 300, w / "tok.json")
     _make_run_dirs(w)
     return w
@@ -64,11 +65,15 @@ def _saved_config() -> str:
 
 
 def _make_run_dirs(w: Path) -> None:
-    """Run directories in the states `resume` must refuse (no process group is ever started)."""
+    """Run directories in the states `resume` must refuse (no process group is ever started), and one
+    that has logged a step (for `plot`)."""
     (w / "not_a_run").mkdir()
-    for name in ("no_ckpt", "ok_run", "bad_latest", "broken_yaml", "alien_yaml", "list_yaml"):
+    for name in ("no_ckpt", "ok_run", "bad_latest", "broken_yaml", "alien_yaml", "list_yaml", "logged"):
         (w / name).mkdir()
         (w / name / "config.yaml").write_text(_saved_config())
+    (w / "logged" / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 6.0, "lr": 1e-3, "tokens": 64}) + "\n"
+    )
     for name in ("ok_run", "bad_latest"):
         (w / name / "checkpoints" / "step_00000002").mkdir(parents=True)
     (w / "bad_latest" / "checkpoints" / "latest").write_text("../../../etc\n")
@@ -154,6 +159,12 @@ CASES: dict[str, Case] = {
         f"{T} --set model.num_attention_heads=3", "3 heads do not divide hidden_size", RUN
     ),
     "run-name-is-a-path": Case(f"{T} --set logging.run_name=../../x", "is not a plain name", (*RUN, "x")),
+    "profile-syntax": Case(f"{T} --profile 5-2", "--profile: expected START:STEPS (e.g. 5:2 profiles", RUN),
+    "profile-start-zero": Case(f"{T} --profile 0:2", "--profile: START counts steps from 1, got '0:2'", RUN),
+    "profile-no-steps": Case(f"{T} --profile 1:0", "--profile: STEPS must be at least 1, got '1:0'", RUN),
+    "profile-past-the-run": Case(
+        f"{T} --profile 2:3", "--profile: 2:3 profiles steps 2-4, past the run's last step 2", RUN
+    ),
     "resume-mode": Case(f"{T} --resume always", "--resume: only `auto` is accepted", RUN),
     "unknown-flag": Case(f"{T} --stepz 3", "No such option: --stepz", RUN),
     # ---- train: the config file
@@ -208,6 +219,9 @@ CASES: dict[str, Case] = {
     "resume-breaking-change": Case(
         "resume {w}/ok_run --set model.hidden_size=512",
         "model.hidden_size: 64 -> 512; start a new run instead",
+    ),
+    "resume-profile-past-the-run": Case(
+        "resume {w}/ok_run --profile 4:2", "--profile: 4:2 profiles steps 4-5, past the run's last step 4"
     ),
     "resume-latest-escapes": Case(
         "resume {w}/bad_latest", "not a checkpoint tag (step_NNNNNNNN); refusing it"
@@ -268,6 +282,27 @@ CASES: dict[str, Case] = {
     "tokenizer-empty-source": Case(
         "tokenizer train {w}/empty.txt --vocab-size 1000 --out {w}/t.json", "empty source", ("t.json",)
     ),
+    "plot-not-a-run": Case("plot {w}/not_a_run", "{w}/not_a_run: not a run directory (no config.yaml)"),
+    "plot-no-metrics": Case(
+        "plot {w}/no_ckpt", "{w}/no_ckpt: no metrics yet (metrics.jsonl holds no training step)"
+    ),
+    "plot-x-unknown": Case(
+        "plot {w}/logged --x time", "--x time: unknown x axis; use --x step or --x tokens"
+    ),
+    "plot-out-not-png": Case(
+        "plot {w}/logged --out {w}/c.jpg", "--out {w}/c.jpg: writes PNG only; give a path ending in .png"
+    ),
+    "plot-out-exists": Case(
+        "plot {w}/logged --out {w}/taken.png", "--out {w}/taken.png: already exists; nothing was changed"
+    ),
+    "plot-text-with-out": Case(
+        "plot {w}/logged --text --out {w}/c.png",
+        "--out: --text prints and draws no PNG; drop --out or --text",
+    ),
+    "plot-text-with-x": Case(
+        "plot {w}/logged --text --x tokens", "--x: --text prints and draws no PNG; drop --x or --text"
+    ),
+    "plot-run-twice": Case("plot {w}/logged {w}/logged", "{w}/logged: given twice; name each RUN_DIR once"),
     "verb-unknown": Case("trian", "No such command 'trian'"),
 }
 
@@ -292,7 +327,7 @@ def _files_under(path: Path) -> set[Path]:
 def test_there_are_at_least_thirty_cases_across_the_verbs() -> None:
     assert len(CASES) >= 30
     verbs = {case.argv.split()[0] for case in CASES.values()}
-    assert {"train", "resume", "config", "estimate-memory", "prepare-data", "tokenizer"} <= verbs
+    assert {"train", "resume", "config", "estimate-memory", "prepare-data", "tokenizer", "plot"} <= verbs
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -25,6 +25,7 @@ def test_every_verb_is_registered() -> None:
         "generate",
         "export",
         "runs",
+        "plot",
     }
     assert expected <= set(VERBS)
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain import checkpoint, rundir
+from llmtrain import checkpoint, plot, rundir
 from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
@@ -32,7 +32,7 @@ from llmtrain.memory.formulas import checkpoint_bytes, setup_from_config
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
 from llmtrain.parallel.layout import check_resume
-from llmtrain.train import faults, schedule
+from llmtrain.train import faults, profile, schedule
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger
 from llmtrain.train.stability import StabilityGuard, Verdict
@@ -144,7 +144,9 @@ def _seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Engine, prepared: PreparedData):
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
-        self.hooks = Hooks(faults.hooks_from_env(world.rank))  # fault injection when LLMTRAIN_FAULTS is set
+        # Fault injection when LLMTRAIN_FAULTS is set, the profiler with --profile.
+        hooks = [*faults.hooks_from_env(world.rank), *profile.hooks_from_config(cfg, world, run_dir)]
+        self.hooks = Hooks(hooks)
         self.ckpt_root = rundir.checkpoint_root(run_dir)
         # The ranks of one tp or sp group, and the stages of one pipeline, read the same samples: the
         # loader sees data-parallel ranks.
@@ -168,6 +170,7 @@ class Trainer:
         self.signal = StopSignal()
         self.last_save_time = time.monotonic()
         self.last_saved_step = -1
+        self.curves_step = -1  # the step RUN_DIR/curves.png was last drawn at
         self.space = space_rule(cfg)
         self.state = self._register_state()
         self.metrics: MetricsLogger | None = None
@@ -211,6 +214,7 @@ class Trainer:
         self.metrics.start(self.counters.step, self.counters.tokens)
         stopped_by = ""
         while self.counters.step < self.total_steps:
+            self.hooks.before_step(self.counters.step)
             result = self.train_step(self.loader.next_step())
             self.counters.step += 1
             self.counters.tokens += self.tokens_per_step
@@ -225,6 +229,7 @@ class Trainer:
         if not stopped_by and self.last_saved_step != self.counters.step:
             self.save()
         self.loader.close()
+        self.refresh_curves()
         summary = self.metrics.close()
         summary["stopped_by"] = stopped_by or None
         return summary
@@ -320,9 +325,23 @@ class Trainer:
         if every and (self.counters.step % every == 0 or self.counters.step == self.total_steps):
             assert self.metrics is not None
             self.metrics.log_eval(self.counters.step, self.evaluate())
+            self.refresh_curves()
 
     def evaluate(self) -> float:
         return self.engine.evaluate(self.val)
+
+    def refresh_curves(self) -> None:
+        """Rank 0 redraws RUN_DIR/curves.png (once per step); a plotting error is a warning, never a
+        failed run."""
+        if not self.world.is_main or self.curves_step == self.counters.step:
+            return
+        self.curves_step = self.counters.step
+        try:
+            plot.refresh(self.run_dir)
+        except Exception as exc:
+            assert self.metrics is not None
+            reason = str(exc).splitlines()[0] if str(exc) else ""
+            self.metrics.warn(f"{rundir.CURVES_FILE} not redrawn: {type(exc).__name__}: {reason}")
 
     # ------------------------------------------------------------ checkpoints
 
