@@ -1,7 +1,9 @@
-"""One small real training run, made once per test session and shared by test_inference and test_runs.
+"""One small real training run, made once per test session and shared by the tests that read one.
 
 `llmtrain train` runs as a subprocess through the real entry point: debug preset, ZeRO 2, fp32, world
-size 1, 12 steps with a checkpoint and a validation loss every 6 steps.
+size 1, 12 steps with a checkpoint and a validation loss every 6 steps. What it printed (stdout and
+stderr, as a user whose output is not a terminal sees it) is kept beside the run directory
+(`train_log`), so tests can read a real `train` output without training again.
 """
 
 from __future__ import annotations
@@ -46,7 +48,15 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return run_dir
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "llmtrain", "train", *TRAIN_FLAGS, "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    train_log(run_dir).write_text(proc.stdout)
     done.write_text("ok\n")
     return run_dir
+
+
+def train_log(run_dir: Path) -> Path:
+    """Where the shared run's `train` output is kept: beside the run directory, not inside it."""
+    return run_dir.with_name(run_dir.name + ".log")

@@ -428,8 +428,12 @@ def summary(out_dir: str | Path, m: Manifest) -> str:
     shards = sum(len(s.shards) for s in m.splits.values())
     train, val = m.splits["train"], m.splits["val"]
     return (
-        f"prepared {out_dir}: {m.documents} documents, {m.tokens:,} tokens ({m.dtype}) in {shards} shards, "
-        f"{m.seconds:.1f}s ({m.tokens / max(m.seconds, 1e-9):,.0f} tokens/s)\n"
-        f"  train: {train.documents} documents, {train.tokens:,} tokens; "
-        f"val: {val.documents} documents, {val.tokens:,} tokens"
+        f"prepared {out_dir}: {_count(m.documents, 'document')}, {m.tokens:,} tokens ({m.dtype}) in "
+        f"{_count(shards, 'shard')}, {m.seconds:.1f}s ({m.tokens / max(m.seconds, 1e-9):,.0f} tokens/s)\n"
+        f"  train: {_count(train.documents, 'document')}, {train.tokens:,} tokens; "
+        f"val: {_count(val.documents, 'document')}, {val.tokens:,} tokens"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"

@@ -385,6 +385,8 @@ def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int
     params, grads, states = round(b * part), round(a * part), round(optim * part)
     notes = {
         "params": "partition / ZeRO group + small persistent params whole",
+        "grads": f"{'fp32' if a == FP32 else setup.precision} partition"
+        + ("" if setup.offload == "none" else ", on the CPU"),  # NVMe offload keeps them there too
         "optim": _partitioned_optim(setup) + _OFFLOAD_WHERE[setup.offload],
     }
     if setup.offload == "none":
