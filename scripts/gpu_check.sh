@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the prepared check for a GPU machine (one H200), under 8 minutes.
+# `make gpu-check`: one quick check of a GPU machine (one H200 or similar), under 8 minutes.
 # Writes gpu_check_report.json into $OUT when set, else the repo root (see bench/gpu_check.py).
 #
-# The environment: the project's .venv when it imports torch with CUDA and DeepSpeed. Otherwise (a
-# GPU machine without network access, where `make install` cannot fetch torch 2.13.0; its image holds a CUDA build of
-# torch for python3), a venv over the system site-packages, with the packages the image lacks
+# The environment: the project's .venv when it imports torch with CUDA and DeepSpeed. Otherwise (an
+# offline GPU machine, where `make install` cannot fetch torch 2.13.0, whose image provides a CUDA build
+# of torch for python3), a venv over the system site-packages, with the packages the image lacks
 # (deepspeed, hjson, pydantic, datasets, ...) installed from wheels carried in .whl/ (`bash
-# scripts/gpu_check.sh --wheels` fills it on a machine with pip access; carry `.whl` to the GPU machine).
+# scripts/gpu_check.sh --wheels` fills it on a machine with pip access; copy `.whl` to the GPU machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -50,7 +50,7 @@ if ! { [ -x "$PY" ] && usable "$PY"; }; then
         "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . || exit 1
         if ! usable "$PY"; then
             echo "error: no usable environment: $PY cannot import torch (with CUDA), deepspeed, datasets and llmtrain;"
-            echo "       carry the wheels from 'make gpu-wheels' in .whl/, or run 'make install' where pip can fetch"
+            echo "       carry the wheels from 'bash scripts/gpu_check.sh --wheels' in .whl/, or run 'make install' where pip can fetch"
             "$PY" -c "import torch, deepspeed, datasets, llmtrain; print(torch.cuda.is_available())"
             exit 1
         fi
