@@ -516,7 +516,7 @@ def plot_cmd(
 ) -> None:
     """Loss curves of runs from their metrics.jsonl: loss (and validation loss), learning rate, gradient
     norm and tokens/s, one colour per run."""
-    from llmtrain import plot
+    from llmtrain.train import plot
 
     if text:
         for flag, given in (("--out", out is not None), ("--x", x is not None), ("--force", force)):

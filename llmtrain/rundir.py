@@ -5,7 +5,7 @@ RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize (--e
 RUN_DIR/fsdp2_plan.json   FSDP2's units, policies, optimizer and batch (--engine fsdp2)
 RUN_DIR/environment.json  library versions, git sha, hardware, world size
 RUN_DIR/metrics.jsonl     one record per logged step (train/metrics.py)
-RUN_DIR/curves.png        its loss curves, redrawn at each evaluation and at the end (plot.py)
+RUN_DIR/curves.png        its loss curves, redrawn at each evaluation and at the end (train/plot.py)
 RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (the checkpoint package)
 RUN_DIR/tokenizer.json    the tokenizer the data was prepared with (generate / eval / export use it)
 RUN_DIR/wandb/            Weights & Biases' files and the run's wandb id (--wandb offline|online)

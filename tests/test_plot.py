@@ -12,7 +12,8 @@ import pytest
 from PIL import Image
 from trained_run import trained_run
 
-from llmtrain import cli, config, plot, rundir
+from llmtrain import cli, config, rundir
+from llmtrain.train import plot
 from llmtrain.train.metrics import MetricsLogger, read_metrics
 
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's C0 and C1: the first and second run

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain import checkpoint, plot, rundir
+from llmtrain import checkpoint, rundir
 from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
@@ -32,7 +32,7 @@ from llmtrain.memory.formulas import checkpoint_bytes, setup_from_config
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
 from llmtrain.parallel.layout import check_resume
-from llmtrain.train import faults, profile, schedule
+from llmtrain.train import faults, plot, profile, schedule
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger
 from llmtrain.train.stability import StabilityGuard, Verdict
