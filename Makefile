@@ -14,8 +14,8 @@ $(VENV_OK): pyproject.toml
 	@touch $@
 
 # tiny (10.1M parameters) on the built-in corpus, bf16 (AMX/AVX-512-bf16 CPUs run it faster than fp32):
-# 300 steps of 8 x 256 tokens (~614k tokens, about one epoch), val loss ~5.34 nats against a unigram
-# entropy of 6.60. Then: .venv/bin/llmtrain generate runs/tiny --prompt "The function"
+# 300 steps of 8 x 256 tokens (~614k tokens, about one epoch), val loss ~5.35 nats (README: Measured
+# results). Then: .venv/bin/llmtrain generate runs/tiny --prompt "The function"
 train: $(VENV_OK)
 	.venv/bin/llmtrain train --preset tiny --run-dir runs/tiny --resume auto \
 		--steps 300 --micro-batch 8 --seq-len 256 --lr 2e-3 --warmup-steps 30 \

@@ -483,6 +483,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """`python -m bench` calls this with no arguments: the defaults."""
+    from llmtrain import rundir
     from llmtrain.presets import count_parameters
 
     args = parse_args(argv or [])
@@ -526,6 +527,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads": THREADS,
             "parameters": params,
         },
+        "machine": rundir.environment(PP),
         "setups": figures,
         "gpipe_over_1f1b": compared,
         "seconds": time.perf_counter() - started,

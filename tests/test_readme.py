@@ -46,7 +46,7 @@ from llmtrain.data.corpus import builtin_corpus
 from llmtrain.run.lock import Holder
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-CHECKED_UNTIL = "## Measured results"  # below: measurements recorded on one machine, not re-run
+MEASURED = "## Measured results"  # below: figures kept in results files, named in each section
 COMMAND_BLOCKS = {"bash", "yaml", "python"}  # commands to type, not output
 MARKER = re.compile(r"<!-- output: (?P<mode>exact|shape|illustrative)(?:: (?P<source>.+?))? -->")
 NUMBER = re.compile(r"\d+(?:[.,]\d+)*(?:e[-+]?\d+)?")
@@ -205,15 +205,10 @@ def test_a_readme_sample_is_what_the_command_prints(
 
 
 def test_every_output_block_in_the_readme_is_marked() -> None:
-    text = README.read_text()
-    checked = text[: text.index(CHECKED_UNTIL)]
-    unmarked = [
-        f"README.md:{b.line}"
-        for b in read_blocks(checked)
-        if b.marker is None and b.info not in COMMAND_BLOCKS
-    ]
+    blocks = read_blocks(README.read_text())
+    unmarked = [f"README.md:{b.line}" for b in blocks if b.marker is None and b.info not in COMMAND_BLOCKS]
     assert not unmarked, f"output blocks without an <!-- output: ... --> marker: {unmarked}"
-    for block in read_blocks(text):
+    for block in blocks:
         if block.marker is not None:
             found = MARKER.fullmatch(block.marker)
             assert found, f"README.md:{block.line}: malformed marker {block.marker!r}"
@@ -231,3 +226,23 @@ def test_the_comparison_finds_a_changed_number_a_changed_word_and_lines_out_of_o
     assert first_missing(long_run, output, "shape") is None
     assert first_missing(("step 300/300 lost 5.2825 eta 1:00:08",), output, "shape") is not None
     assert first_missing(("│ tiny │ tiny   │ 300 / 300 │",), "│ tiny │ debug  │ 12 / 12 │", "shape") is None
+
+
+RESULT_FILE = re.compile(r"`((?:bench/results/[\w.-]+\.json)|(?:tests/[\w.-]+\.py))")
+
+
+def test_every_measured_figure_names_the_file_it_comes_from() -> None:
+    """Under "## Measured results" each subsection quoting figures names where they are kept: a results
+    file written by the benchmark that measured them (bench/results/NAME.json, with the machine and the
+    versions), or the test that measures them; every file named exists."""
+    text = README.read_text()
+    measured = text[text.index(MEASURED) :].split("\n## ", 1)[0]
+    root = README.parent
+    for section in measured.split("\n### ")[1:]:
+        title = section.splitlines()[0]
+        named = RESULT_FILE.findall(section)
+        assert named, f"README: measured results '{title}' name no results file or test"
+        for path in named:
+            assert (root / path).is_file(), f"README: '{title}' names {path}, which does not exist"
+            if path.endswith(".json"):
+                assert "machine" in json.loads((root / path).read_text()), f"{path}: no machine facts"
