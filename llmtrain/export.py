@@ -200,8 +200,9 @@ def _generation_config(bos_token_id: int | None, eos_token_id: int | None) -> di
 def _write_tokenizer(
     tokenizer_file: Path, staging: Path, cfg: ModelConfig, bos_token_id: int | None, eos_token_id: int | None
 ) -> None:
-    """Copy tokenizer.json; keep the source directory's tokenizer_config.json, else write a minimal one."""
-    shutil.copyfile(tokenizer_file, staging / TOKENIZER_NAME)
+    """Copy tokenizer.json (with the start-of-document token added, see `_with_bos`); keep the source
+    directory's tokenizer_config.json, else write a minimal one."""
+    _write_with_bos(tokenizer_file, staging / TOKENIZER_NAME, bos_token_id)
     existing_config = tokenizer_file.parent / TOKENIZER_CONFIG_NAME
     if existing_config.is_file():
         shutil.copyfile(existing_config, staging / TOKENIZER_CONFIG_NAME)
@@ -216,6 +217,25 @@ def _write_tokenizer(
         if token_id is not None and token_id in vocab:
             config[key] = vocab[token_id]
     _write_json(staging / TOKENIZER_CONFIG_NAME, config)
+
+
+def _write_with_bos(tokenizer_file: Path, out: Path, bos_token_id: int | None) -> None:
+    """The tokenizer, made to start every text with `bos_token_id` as llmtrain's model expects: a model
+    trained by llmtrain reads each document after the end-of-text token that separated it from the one
+    before, and `llmtrain generate` starts every context with it. Without it in the exported tokenizer,
+    `tokenizer(prompt)` + `generate` in transformers would continue a context the model never saw. A
+    tokenizer that already has a post-processor (one imported from elsewhere) keeps its own rules."""
+    from tokenizers import Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    if bos_token_id is None or tokenizer.post_processor is not None:
+        shutil.copyfile(tokenizer_file, out)
+        return
+    bos = tokenizer.id_to_token(bos_token_id)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_token_id)]
+    )
+    tokenizer.save(str(out))
 
 
 def _token_strings(tokenizer_file: Path) -> dict[int, str]:

@@ -380,4 +380,8 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | None = No
     _print_warnings(run)
     tok_path = run_tokenizer_path(run.run_dir, run.cfg)
     eot = toks.eot_id(toks.load_tokenizer(tok_path, "tokenizer"), tok_path, "tokenizer")
-    return export_hf(load_weights(run), run.cfg.model, out, tokenizer_path=tok_path, eos_token_id=eot)
+    # The end-of-text token both ends a document and starts the next: the model was trained on documents
+    # that follow it, and generation stops at it.
+    return export_hf(
+        load_weights(run), run.cfg.model, out, tokenizer_path=tok_path, eos_token_id=eot, bos_token_id=eot
+    )

@@ -158,6 +158,33 @@ def test_greedy_generation_matches_transformers_generate(
     assert ours == theirs and len(ours) == 12
 
 
+def test_an_exported_run_generates_in_transformers_ordinary_use_as_llmtrain_does(
+    run_dir: Path, loaded: inference.LoadedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """AutoTokenizer + generate, and the text-generation pipeline, with nothing added by hand: the
+    exported tokenizer starts the context with the end-of-text token, as llmtrain does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    prompt = "The function"
+    code, ours, _ = _cli(
+        capsys, "generate", str(run_dir), "--prompt", prompt, "--temperature", "0", "--max-tokens", "24"
+    )
+    assert code == 0 and ours.endswith("\n")
+    ours = ours[:-1]  # print()'s newline
+    assert _cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "hf"))[0] == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert inputs["input_ids"][0, 0].item() == loaded.eot_id == tokenizer.bos_token_id
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    assert tokenizer.decode(generated[0], skip_special_tokens=True) == ours
+    piped = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        prompt, max_new_tokens=24, do_sample=False
+    )
+    assert piped[0]["generated_text"] == ours
+
+
 def test_generation_is_seeded_and_crops_to_max_position_embeddings(loaded: inference.LoadedRun) -> None:
     limit = loaded.model.cfg.max_position_embeddings
     long_context = [
@@ -207,8 +234,10 @@ def test_export_loads_in_transformers_with_our_logits(
     assert (ours - theirs).abs().max().item() <= 1e-5
 
     text = "The function returns a value."
-    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == loaded.tokenizer.encode(text).ids
-    assert hf.generation_config.eos_token_id == loaded.eot_id
+    exported = AutoTokenizer.from_pretrained(out)
+    assert exported(text)["input_ids"] == [loaded.eot_id, *loaded.tokenizer.encode(text).ids]
+    assert exported(text, add_special_tokens=False)["input_ids"] == loaded.tokenizer.encode(text).ids
+    assert hf.generation_config.eos_token_id == hf.generation_config.bos_token_id == loaded.eot_id
 
     # Exporting again over an earlier export replaces it.
     assert _cli(capsys, "export", str(run_dir), "--out", str(out), "--checkpoint", str(EVERY))[0] == 0
