@@ -356,6 +356,47 @@ def resume_cmd(
     _exit_with(code)
 
 
+@app.command("fork")
+@with_train_flags
+def fork_cmd(
+    cfg_args: dict[str, Any],
+    parent: Annotated[
+        Path, typer.Argument(help="The run to fork (only read).", metavar="RUN_DIR", show_default=False)
+    ],
+    step: Annotated[
+        str,
+        typer.Option(
+            "--step", help="The checkpoint to start from: its step number or tag.", show_default=False
+        ),
+    ],
+    lock_wait: Annotated[float | None, _lock_wait_option("default 0")] = None,
+) -> None:
+    """Start a new run (--run-dir NEW) from RUN_DIR's checkpoint at --step with its whole state:
+    weights, optimizer, data position, counters. The config may change what a fork is for (the
+    schedule, e.g. a WSD cooldown from here: --steps N+K --set schedule.decay_steps=K, and the run's
+    length) and what a resume may change; RUN_DIR is left as it is."""
+    from llmtrain.run import lock
+
+    new_dir = cfg_args["flags"].pop("run_dir", None)
+    if new_dir is None:
+        raise ConfigError(f"fork {parent}: give the new run's directory with --run-dir NEW")
+    new_dir = Path(new_dir)
+    wait_s = lock.wait_seconds(lock_wait, resume_auto=False)
+    with lock.hold(new_dir, f"--run-dir {new_dir}", wait_s, create=True) as held:
+        from llmtrain.run import fork, launch, prepare
+
+        changes = prepare.ConfigChanges(cfg_args["config_file"], cfg_args["sets"], cfg_args["flags"])
+        prepared = fork.prepare_fork(parent, step, new_dir, changes)  # refusals come before any write
+        try:
+            code = held.note(launch.start(prepared))
+        except BadInput:
+            fork.discard(new_dir, made=held.made_dir)
+            raise
+        if code == EXIT_BAD_INPUT:  # the workers refused it and said why
+            fork.discard(new_dir, made=held.made_dir)
+    _exit_with(code)
+
+
 @app.command("worker", hidden=True)
 def worker_cmd(
     run_dir: Annotated[Path, typer.Argument(help="The prepared run directory.")],

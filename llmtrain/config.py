@@ -95,6 +95,9 @@ class ScheduleConfig:
     warmup_steps: int | None = _f(None, "linear warmup steps; none = min(100, a tenth of the run)")
     min_lr_ratio: float = _f(0.1, "final LR as a fraction of the peak (cosine, linear, wsd)")
     decay_fraction: float = _f(0.2, "wsd: fraction of the run spent in the final decay")
+    decay_steps: int | None = _f(
+        None, "wsd: updates in the final decay, ending at the last step (instead of decay_fraction)"
+    )
     decay_shape: Literal["linear", "cosine", "sqrt"] = _f("linear", "wsd: shape of the final decay")
 
 
@@ -616,6 +619,7 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(s.warmup_steps is None or s.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
     _require(0 <= s.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]")
     _require(0 < s.decay_fraction <= 1, "schedule.decay_fraction", "must be in (0, 1]")
+    _require(s.decay_steps is None or s.decay_steps >= 1, "schedule.decay_steps", "must be at least 1")
 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:

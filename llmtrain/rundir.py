@@ -11,6 +11,7 @@ RUN_DIR/tokenizer.json    the tokenizer the data was prepared with (generate / e
 RUN_DIR/wandb/            Weights & Biases' files and the run's wandb id (--wandb offline|online)
 RUN_DIR/run.lock          held by the run's one writer (run/lock.py); names it while it runs
 RUN_DIR/profile/          --profile's traces and memory snapshots, one file per rank (train/profile.py)
+RUN_DIR/fork.json         a forked run's parent run, step and checkpoint (run/fork.py)
 
 A fresh `train` writes only into a new or empty directory, or over the files of a run of llmtrain's that
 never saved a checkpoint (`RUN_NAMES`): never beside files llmtrain did not write.
@@ -44,6 +45,7 @@ WANDB_DIR = "wandb"
 LOCK_FILE = "run.lock"
 LAUNCH_DIR = "launch"  # a hostfile launch's hostfile and the workers' environment (run.nodes)
 PROFILE_DIR = "profile"  # --profile's traces and memory snapshots (train/profile.py)
+FORK_FILE = "fork.json"  # a forked run's parent, step and checkpoint (run/fork.py)
 # Every name llmtrain writes at the top of a run directory (the one list: a fresh run refuses others).
 RUN_NAMES = frozenset(
     {
@@ -59,6 +61,7 @@ RUN_NAMES = frozenset(
         LOCK_FILE,
         LAUNCH_DIR,
         PROFILE_DIR,
+        FORK_FILE,
     }
 )
 # What a write cut short leaves beside them: fsutil.write_atomic's `.NAME.tmpPID`, metrics' `NAME.tmp`.

@@ -26,6 +26,7 @@ def test_every_verb_is_registered() -> None:
         "export",
         "runs",
         "plot",
+        "fork",
     }
     assert expected <= set(VERBS)
 

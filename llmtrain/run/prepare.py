@@ -136,15 +136,18 @@ def freeze(prepared: PreparedRun) -> Callable[[], None]:
     return undo
 
 
-def refuse_breaking_changes(saved: TrainConfig, new: TrainConfig, run_dir: Path) -> None:
+def refuse_breaking_changes(
+    saved: TrainConfig, new: TrainConfig, run_dir: Path, may_change: tuple[str, ...] = RESUME_MAY_CHANGE
+) -> None:
     old_flat, new_flat = config_mod.flat_dict(saved), config_mod.flat_dict(new)
     changed = [k for k in new_flat if old_flat.get(k) != new_flat[k] and k != "run_dir"]
-    breaking = [k for k in changed if not k.startswith(RESUME_MAY_CHANGE)]
+    breaking = [k for k in changed if not k.startswith(may_change)]
     if breaking:
+        verb = "resume" if may_change == RESUME_MAY_CHANGE else "fork"
         diff = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat[k]!r}" for k in breaking)
         raise ConfigError(
-            f"resume {run_dir}: these changes would break an exact continuation: {diff}; "
-            f"start a new run instead (only {', '.join(k.rstrip('.') for k in RESUME_MAY_CHANGE)} may change)"
+            f"{verb} {run_dir}: these changes would break an exact continuation: {diff}; "
+            f"start a new run instead (only {', '.join(k.rstrip('.') for k in may_change)} may change)"
         )
 
 

@@ -15,8 +15,9 @@ where the LR is `peak`, to the last step `total_steps - 1`, where it is `min_lr_
 - `cosine`:   min + (peak - min) * (1 + cos(pi * p)) / 2, p = (step - peak_step) / (last - peak_step)
 - `linear`:   min + (peak - min) * (1 - p)
 - `constant`: peak after the warmup (min_lr_ratio is ignored)
-- `wsd`:      warmup-stable-decay. The final `decay_steps = round(decay_fraction * total_steps)` updates
-              decay; everything between the warmup and them is at the peak. Decay progress is
+- `wsd`:      warmup-stable-decay. The final `decay_steps` updates (given, or
+              round(decay_fraction * total_steps)) decay; everything between the warmup and them is at
+              the peak. Decay progress is
               p = (step - last_stable_step) / decay_steps, so the last stable step is at the peak, the
               first decay step is already below it and the last step reaches min. The decay shape is
               `linear` (1 - p), `cosine` ((1 + cos(pi p)) / 2) or `sqrt` (1 - sqrt(p), Hägele et al. 2024).
@@ -62,7 +63,10 @@ def lr_at(step: int, cfg: ScheduleConfig, peak_lr: float, total_steps: int) -> f
 
 
 def wsd_decay_steps(cfg: ScheduleConfig, total_steps: int) -> int:
-    """Updates in the WSD decay phase: decay_fraction of the run, rounded half up, at least 1."""
+    """Updates in the WSD decay phase: decay_steps, else decay_fraction of the run rounded half up,
+    at least 1 (a fork that starts its cooldown now gives decay_steps)."""
+    if cfg.decay_steps is not None:
+        return min(total_steps, cfg.decay_steps)
     return min(total_steps, max(1, math.floor(cfg.decay_fraction * total_steps + 0.5)))
 
 
@@ -104,8 +108,9 @@ def check_schedule(cfg: TrainConfig) -> None:
     if s.name == "wsd":
         decay = wsd_decay_steps(s, total)
         if s.warmup_steps + decay > total:
+            given = "decay_steps" if s.decay_steps is not None else "decay_fraction"
             raise ConfigError(
                 f"{warmup_flag}: {s.warmup_steps} warmup steps plus {decay} decay steps "
-                f"({flag_for('schedule.decay_fraction')}={s.decay_fraction}) exceed {length}; "
-                "lower --warmup-steps or schedule.decay_fraction, or train longer"
+                f"({flag_for('schedule.' + given)}={getattr(s, given)}) exceed {length}; "
+                f"lower --warmup-steps or schedule.{given}, or train longer"
             )
