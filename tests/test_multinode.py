@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.slow
 
 STEPS, SAVE_EVERY = 6, 3
 HANG_STEP = 3  # 0-based: rank 1 hangs while computing step 4, after the checkpoint at step 3
+STOP_AFTER = 3  # steps logged before the `stopped` run gets SIGTERM
 JOB_TIMEOUT = 300.0
 FAKE_SECRET = "llmtrainfake" + "0123456789abcdef" * 2
 
@@ -48,9 +50,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(f"no loopback cluster here: {why}")
 
 
-def _train(run_dir: Path, *launch: str) -> list[str]:
+def _train(run_dir: Path, *launch: str, steps: int = STEPS) -> list[str]:
     return [
-        "train", *BASE_FLAGS, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+        "train", *BASE_FLAGS, "--steps", str(steps), "--save-every", str(SAVE_EVERY),
         "--run-dir", str(run_dir), "--master-port", str(free_port()), *launch,
     ]  # fmt: skip
 
@@ -95,7 +97,7 @@ def _last_step(run_dir: Path) -> int:
 def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     tmp = tmp_path_factory.mktemp("multinode")
     hostfile = nodes.hostfile(tmp / "hostfile", {"node-a": 1, "node-b": 1})
-    dirs = {name: tmp / name for name in ("one_node", "openmpi", "pdsh")}
+    dirs = {name: tmp / name for name in ("one_node", "openmpi", "pdsh", "stopped")}
     env = nodes.env(run_env(WANDB_API_KEY=FAKE_SECRET))
     runs = {
         "one_node": start(_train(dirs["one_node"], "--gpus", "2"), tmp / "one_node.log", env),
@@ -104,6 +106,10 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
             _train(dirs["pdsh"], *_two_nodes(hostfile, "pdsh"), "--master-addr", "node-a"),
             tmp / "pdsh.log",
             nodes.env(run_env(faults=f"hang@1:{HANG_STEP}", WANDB_API_KEY=FAKE_SECRET)),
+        ),
+        # Far too long to finish: stopped with SIGTERM to the command the user started, as a preemption.
+        "stopped": start(
+            _train(dirs["stopped"], *_two_nodes(hostfile, "pdsh"), steps=100_000), tmp / "stopped.log", env
         ),
     }
     pdsh_dir = dirs["pdsh"]
@@ -121,7 +127,9 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         pdsh_code, pdsh_output = runs["pdsh"].wait(JOB_TIMEOUT)
         ended_in = time.monotonic() - killed_at
         codes, outputs = {"pdsh": pdsh_code}, {"pdsh": pdsh_output}
-        for name in ("one_node", "openmpi"):
+        wait_for(lambda: _last_step(dirs["stopped"]) >= STOP_AFTER, JOB_TIMEOUT, "the run to stop")
+        runs["stopped"].proc.send_signal(signal.SIGTERM)
+        for name in ("one_node", "openmpi", "stopped"):
             codes[name], outputs[name] = runs[name].wait(JOB_TIMEOUT)
     finally:
         for run in runs.values():
@@ -185,6 +193,21 @@ def test_a_killed_worker_on_node_b_ends_the_job_naming_it_and_resume_is_exact(
     assert code == 0, resumed_output[-3000:]
     assert re.findall(r"^node-a: step (\d+)/", resumed_output, re.M) == ["4", "5", "6"]
     _assert_same_losses(jobs.dirs["pdsh"], jobs.dirs["one_node"])
+
+
+def test_sigterm_to_the_launching_command_stops_the_workers_on_every_node_after_a_save(jobs: Jobs) -> None:
+    """A preemption of the process the user started: the workers on both nodes are told over ssh,
+    finish their step, save together and exit 0 (the runner's own ssh sessions, and output, stay up)."""
+    output = jobs.outputs["stopped"]
+    assert jobs.codes["stopped"] == 0, output[-3000:]
+    last = _last_step(jobs.dirs["stopped"])
+    assert STOP_AFTER <= last < 100_000
+    assert latest(jobs.dirs["stopped"]) == f"step_{last:08d}"  # saved at the step it stopped at
+    assert output.count("training summary") == 1 and "Traceback" not in output
+    assert (
+        _remote_worker(jobs.dirs["stopped"], rank=0) is None
+        and _remote_worker(jobs.dirs["stopped"], rank=1) is None
+    )
 
 
 # ---------------------------------------------------------------- refused before any worker starts

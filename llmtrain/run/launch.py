@@ -11,6 +11,7 @@ step, save and exit 0 (DeepSpeed's launch.py would kill them after 30 s and exit
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -75,17 +76,25 @@ def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
     args = worker_args(run_dir, resume)
     if cfg.launch.hostfile is None:
         return _run_runner(deepspeed_command(cfg, args, None))
-    with nodes.launch_files(cfg.launch, read_hostfile(cfg.launch.hostfile), run_dir) as files:
-        return _run_runner(deepspeed_command(cfg, [*args, "--launch-env", str(files.env_file)], files))
+    hosts = read_hostfile(cfg.launch.hostfile)
+    with nodes.launch_files(cfg.launch, hosts, run_dir) as files:
+        args = [*args, "--launch-env", str(files.env_file)]
+        stop: Callable[[], None] | None = None
+        if cfg.launch.launcher in nodes.SSH_RUNNERS:
+            used = list(hosts)[: cfg.launch.nodes]
+            stop = functools.partial(
+                nodes.stop_workers, used, [sys.executable, "-u", "-m", "llmtrain", *args]
+            )
+        return _run_runner(deepspeed_command(cfg, args, files), stop)
 
 
-def _run_runner(cmd: list[str]) -> int:
+def _run_runner(cmd: list[str], stop_remote: Callable[[], None] | None = None) -> int:
     # DeepSpeed's runner imports DeepSpeed, as do the launch.py and workers it starts on this machine:
     # with the accelerator named, none of them guesses it and warns that it did (a hostfile's nodes
     # choose their own).
     env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR=select_accelerator())
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    forward = _SignalForwarder(proc.pid)
+    forward = _SignalForwarder(proc.pid, stop_remote)
     try:
         return proc.wait()
     finally:
@@ -93,13 +102,17 @@ def _run_runner(cmd: list[str]) -> int:
 
 
 class _SignalForwarder:
-    """SIGINT / SIGTERM -> SIGTERM to the worker processes, leaving the launcher to see them exit 0."""
+    """SIGINT / SIGTERM -> SIGTERM to the worker processes, leaving the launcher to see them exit 0:
+    here, or on the nodes of a hostfile launch through `stop_remote`."""
 
-    def __init__(self, launcher_pid: int) -> None:
-        self.launcher_pid = launcher_pid
+    def __init__(self, launcher_pid: int, stop_remote: Callable[[], None] | None) -> None:
+        self.launcher_pid, self.stop_remote = launcher_pid, stop_remote
         self.previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _forward(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_remote is not None:
+            self.stop_remote()
+            return
         import psutil
 
         try:

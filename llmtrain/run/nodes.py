@@ -235,6 +235,29 @@ def runner_args(launch: LaunchConfig) -> list[str]:
     return [f"--launcher_args={shlex.join(args)}"] if args else []  # one token: it may start with --
 
 
+# ---------------------------------------------------------------- stopping the workers on the nodes
+
+_ERE_SPECIAL = re.compile(r"([.\[\]()*+?{}|^$\\])")
+
+
+def stop_workers(hosts: list[str], worker_command: list[str]) -> None:
+    """SIGTERM to this launch's workers on every node, over ssh, as a preemption of the launching
+    process asks for. Signalling the runner instead would end its ssh sessions, and with them the
+    workers (SIGHUP) before they save; this way the sessions stay open, every worker finishes its step,
+    all save together and exit 0, and the runner sees them end as after the last step. The pattern is
+    the workers' whole command line (the interpreter first, which no ssh client's or shell's is), so
+    nothing else on a node matches; the ssh calls run in the background."""
+    pattern = "^" + _ERE_SPECIAL.sub(r"\\\1", " ".join(worker_command)) + "$"
+    for host in hosts:
+        subprocess.Popen(
+            ["ssh", "-o", "BatchMode=yes", host, f"pkill -TERM -f -- {shlex.quote(pattern)}"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
 # ---------------------------------------------------------------- in each worker, first thing
 
 # An MPI's own names for rank, world size, local rank and local size (OpenMPI, MPICH/Intel MPI, MVAPICH).
