@@ -87,6 +87,10 @@ def test_the_launch_files_hold_the_nodes_used_and_the_environment_owner_only(
 def test_a_worker_under_mpirun_takes_its_rank_from_the_mpi_and_its_node_from_the_hostfile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mpi_variables: dict[str, str]
 ) -> None:
+    # adopt_launch_environment writes os.environ as a worker's first act; here it writes a copy, so
+    # no RANK or MASTER_ADDR leaks into the processes later tests start (monkeypatch.delenv of an
+    # unset name records nothing to undo).
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for name in (
         "RANK",
         "WORLD_SIZE",
@@ -96,7 +100,7 @@ def test_a_worker_under_mpirun_takes_its_rank_from_the_mpi_and_its_node_from_the
         "MASTER_PORT",
         NODE_ENV,
     ):
-        monkeypatch.delenv(name, raising=False)
+        os.environ.pop(name, None)
     for name, value in mpi_variables.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PATH", "/usr/bin")
