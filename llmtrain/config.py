@@ -19,6 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from llmtrain import init_source
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
 from llmtrain.parallel import rules
@@ -38,6 +39,7 @@ Checkpointing = Literal["none", "full", "selective"]
 PipeSchedule = Literal["1f1b", "gpipe"]
 PipePartition = Literal["parameters", "blocks"]
 EngineName = Literal["deepspeed", "fsdp2"]
+RopeScaling = Literal["none", "linear", "llama3"]
 # A byte count, written as bytes or with a unit (50e9, 500MB, 2GiB); stored as an int.
 ByteSize = typing.NewType("ByteSize", int)
 
@@ -52,15 +54,27 @@ class ModelConfig:
     num_hidden_layers: int = _f(8, "number of transformer blocks")
     num_attention_heads: int = _f(8, "query heads")
     num_key_value_heads: int = _f(4, "key/value heads (grouped-query attention); equal to heads for MHA")
+    head_dim: int | None = _f(None, "width of one attention head; none = hidden_size / num_attention_heads")
     max_position_embeddings: int = _f(1024, "longest sequence the model is built for")
     rope_theta: float = _f(10000.0, "rotary embedding base")
+    # Hugging Face's `rope_scaling` dict, one key each (the config tree holds scalars).
+    rope_scaling_type: RopeScaling = _f(
+        "none", "RoPE frequency scaling: none, linear (positions / factor) or llama3 (Llama 3.1's)"
+    )
+    rope_scaling_factor: float = _f(1.0, "linear and llama3 scaling: the context extension factor")
+    rope_scaling_low_freq_factor: float = _f(1.0, "llama3 scaling: low_freq_factor")
+    rope_scaling_high_freq_factor: float = _f(4.0, "llama3 scaling: high_freq_factor")
+    rope_scaling_original_max_position_embeddings: int = _f(
+        8192, "llama3 scaling: the context length the model was first trained with"
+    )
     rms_norm_eps: float = _f(1e-5, "RMSNorm epsilon")
     tie_word_embeddings: bool = _f(False, "share the input embedding with the output projection")
     initializer_range: float = _f(0.02, "std of the normal initialisation")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_width(self) -> int:
+        """The width of one attention head: `head_dim` when set, else hidden_size / heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
@@ -110,6 +124,11 @@ class TrainSection:
     seq_len: int = _f(256, "tokens per training sequence")
     precision: Precision = _f("bf16", "bf16, fp16 (GPU only) or fp32")
     seed: int = _f(0, "seed for initialisation, data order and dropout-free sampling")
+    init_from: str | None = _f(
+        None,
+        "start from these weights (fresh optimizer and schedule): a Hugging Face Llama directory, or a run "
+        "directory (RUN_DIR or RUN_DIR:STEP); the model shape and tokenizer come with them",
+    )
     engine: EngineName = _f(
         "deepspeed", "training engine: DeepSpeed (ZeRO 0-3, tp/sp/pp) or PyTorch FSDP2 (--zero 2 or 3)"
     )
@@ -490,6 +509,7 @@ def resolve(
         if "preset" in layer:
             preset, where = str(layer["preset"]), name
     apply_preset(cfg, preset, where)
+    source_model = _init_from_layer(cfg, [layer for layer, _ in layers[1:]] + [flag_values], base)
     for layer, name in layers:
         for key, value in layer.items():
             if key != "preset":
@@ -497,8 +517,46 @@ def resolve(
     for key, value in flag_values.items():
         if key != "preset":
             _set(cfg, key, coerce(key, value, flag_for(key)))
+    if source_model is not None:
+        _check_init_shape(cfg, source_model)
     validate(cfg)
     return cfg
+
+
+def _init_from_layer(
+    cfg: TrainConfig, layers: list[dict[str, Any]], base: TrainConfig | None
+) -> dict[str, Any] | None:
+    """With `train.init_from` given (not inherited from a saved run: a resume's weights are its
+    checkpoint's), the source's model section replaces the preset's, and its tokenizer is the default.
+    Returns the source's model keys, which the user's layers may then change only where the weights
+    allow (_check_init_shape)."""
+    given = [layer for layer in layers if layer.get("train.init_from") is not None]
+    if base is not None or not given:
+        return None
+    source = init_source.parse(str(given[-1]["train.init_from"]))
+    if any("preset" in layer for layer in layers):
+        raise ConfigError(
+            f"--preset: the model shape comes from {init_source.FLAG} {source.path}; drop --preset"
+        )
+    model = init_source.model_keys(source)
+    for key, value in model.items():
+        _set(cfg, f"model.{key}", coerce(f"model.{key}", value, f"{init_source.FLAG} {source.path}"))
+    tokenizer = init_source.tokenizer_path(source)
+    if tokenizer is not None:
+        cfg.data.tokenizer = str(tokenizer)
+    return model
+
+
+def _check_init_shape(cfg: TrainConfig, source_model: dict[str, Any]) -> None:
+    """The weights' shape is the source's: a user's model key that would change it is refused (the
+    context length, RoPE and initialisation keys may change: they do not shape a tensor)."""
+    for key in init_source.SHAPE_KEYS:
+        wanted, got = source_model.get(key, getattr(ModelConfig(), key)), getattr(cfg.model, key)
+        if wanted != got:
+            raise ConfigError(
+                f"{flag_for('model.' + key)}: {got!r}, but the weights of {init_source.FLAG} "
+                f"{cfg.train.init_from} have {key}={wanted!r}; drop it (the shape comes with the weights)"
+            )
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
@@ -570,17 +628,31 @@ def _validate_model(m: ModelConfig) -> None:
     ):
         _require(getattr(m, key) > 0, f"model.{key}", f"must be positive, got {getattr(m, key)}")
     _require(
-        m.hidden_size % m.num_attention_heads == 0,
+        m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0,
         "model.num_attention_heads",
-        f"{m.num_attention_heads} heads do not divide hidden_size {m.hidden_size}",
+        f"{m.num_attention_heads} heads do not divide hidden_size {m.hidden_size}; "
+        "change one, or set model.head_dim",
     )
+    _require(m.head_dim is None or m.head_dim > 0, "model.head_dim", f"must be positive, got {m.head_dim}")
     _require(
         m.num_attention_heads % m.num_key_value_heads == 0,
         "model.num_key_value_heads",
         f"{m.num_key_value_heads} KV heads do not divide {m.num_attention_heads} attention heads",
     )
-    _require(m.head_dim % 2 == 0, "model.hidden_size", f"head dim {m.head_dim} must be even for RoPE")
+    _require(m.head_width % 2 == 0, "model.head_dim", f"head dim {m.head_width} must be even for RoPE")
     _require(m.rope_theta > 0, "model.rope_theta", "must be positive")
+    _require(m.rope_scaling_factor > 0, "model.rope_scaling_factor", "must be positive")
+    if m.rope_scaling_type == "llama3":
+        _require(
+            m.rope_scaling_high_freq_factor > m.rope_scaling_low_freq_factor > 0,
+            "model.rope_scaling_high_freq_factor",
+            "llama3 RoPE scaling needs high_freq_factor > low_freq_factor > 0",
+        )
+        _require(
+            m.rope_scaling_original_max_position_embeddings > 0,
+            "model.rope_scaling_original_max_position_embeddings",
+            "must be positive",
+        )
     _require(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
 
 

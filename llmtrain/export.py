@@ -38,9 +38,10 @@ def hf_config(
 ) -> dict[str, Any]:
     """A LlamaConfig-compatible config.json dict for this shape, with fp32 weights.
 
-    RoPE is written both as `rope_theta` (transformers 4.x and most other readers) and as
-    `rope_parameters` (transformers 5.x).
+    RoPE is written both as `rope_theta` + `rope_scaling` (transformers 4.x and most other readers) and
+    as `rope_parameters` (transformers 5.x).
     """
+    scaling = rope_scaling(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -50,14 +51,14 @@ def hf_config(
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.head_width,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings,
         "initializer_range": cfg.initializer_range,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "rope_scaling": scaling,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -71,18 +72,30 @@ def hf_config(
     }
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """Hugging Face's `rope_scaling` dict for the config's RoPE scaling (None without one)."""
+    if cfg.rope_scaling_type == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": cfg.rope_scaling_type, "factor": cfg.rope_scaling_factor}
+    if cfg.rope_scaling_type == "llama3":
+        scaling["low_freq_factor"] = cfg.rope_scaling_low_freq_factor
+        scaling["high_freq_factor"] = cfg.rope_scaling_high_freq_factor
+        scaling["original_max_position_embeddings"] = cfg.rope_scaling_original_max_position_embeddings
+    return scaling
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes for this config (lm_head only when untied)."""
-    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_width
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
-        shapes[p + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * cfg.head_dim, d)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * cfg.head_width, d)
         shapes[p + "self_attn.k_proj.weight"] = (kv, d)
         shapes[p + "self_attn.v_proj.weight"] = (kv, d)
-        shapes[p + "self_attn.o_proj.weight"] = (d, cfg.num_attention_heads * cfg.head_dim)
+        shapes[p + "self_attn.o_proj.weight"] = (d, cfg.num_attention_heads * cfg.head_width)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, d)
         shapes[p + "mlp.down_proj.weight"] = (d, cfg.intermediate_size)
@@ -114,7 +127,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: ModelConfig) -> dict[st
     ours = {strip_wrapper_prefixes(k): v for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         ours.pop("lm_head.weight", None)
-    expected = _expected_shapes(cfg)
+    expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(ours))
     unexpected = sorted(set(ours) - set(expected))
     if missing or unexpected:

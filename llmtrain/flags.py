@@ -26,6 +26,7 @@ FLAG_KEYS: dict[str, str] = {
     "--steps": "train.steps",
     "--tokens": "train.tokens",
     "--seed": "train.seed",
+    "--init-from": "train.init_from",
     "--activation-checkpointing": "train.activation_checkpointing",
     "--compile": "train.compile",
     "--eval-every": "train.eval_every",

@@ -238,15 +238,17 @@ def generate_text(
 ) -> str:
     """The prompt followed by the model's continuation (`llmtrain generate`).
 
-    The context starts with the end-of-text token, as every training document did (the separator
-    before it), so the prompt is read as the start of a document. Generation stops at end of text.
+    The context starts as every training document did: after the end-of-text token (the separator
+    before it), or after the tokenizer's own start token where it has one (a Hugging Face Llama's
+    `<|begin_of_text|>`, as transformers' `tokenizer(prompt)` adds it). Generation stops at end of text.
     """
     check_sampling(max_tokens, temperature, top_k)
     loaded = load_run(run_dir, checkpoint)
     prompt_ids = loaded.tokenizer.encode(prompt, add_special_tokens=False).ids
+    start = toks.start_ids(loaded.tokenizer, loaded.eot_id) or [loaded.eot_id]
     new = sample_tokens(
         loaded.model,
-        [loaded.eot_id, *prompt_ids],
+        [*start, *prompt_ids],
         max_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -379,9 +381,11 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str | None = No
     run = open_run(run_dir, checkpoint)
     _print_warnings(run)
     tok_path = run_tokenizer_path(run.run_dir, run.cfg)
-    eot = toks.eot_id(toks.load_tokenizer(tok_path, "tokenizer"), tok_path, "tokenizer")
+    tok = toks.load_tokenizer(tok_path, "tokenizer")
+    eot = toks.eot_id(tok, tok_path, "tokenizer")
     # The end-of-text token both ends a document and starts the next: the model was trained on documents
-    # that follow it, and generation stops at it.
+    # that follow it, and generation stops at it. A tokenizer with a start token of its own keeps it.
+    bos = (toks.start_ids(tok, eot) or [eot])[0]
     return export_hf(
-        load_weights(run), run.cfg.model, out, tokenizer_path=tok_path, eos_token_id=eot, bos_token_id=eot
+        load_weights(run), run.cfg.model, out, tokenizer_path=tok_path, eos_token_id=eot, bos_token_id=bos
     )

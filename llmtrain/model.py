@@ -46,15 +46,37 @@ class RMSNorm(nn.Module):
 # ---------------------------------------------------------------- rotary position embeddings
 
 
-def rope_cos_sin(
-    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+    """RoPE's inverse frequencies [Hd / 2] in fp32, with the config's frequency scaling.
+
+    As Hugging Face computes them (modeling_rope_utils), so imported weights see the same angles:
+    `linear` divides every frequency by the factor (positions / factor); `llama3` (Llama 3.1) divides
+    the low frequencies (wavelength above original_max / low_freq_factor) by the factor, keeps the high
+    ones (wavelength below original_max / high_freq_factor) and blends the ones between.
+    """
+    hd = cfg.head_width
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling_type == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling_type == "llama3":
+        low, high = cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
+        old_context = cfg.rope_scaling_original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin tables for `position_ids` [B, T] -> two [B, T, Hd] tensors.
 
     Computed from scratch each forward in fp32 (a few thousand multiplies): no buffer to go stale on the
     meta device or to be rounded to bf16 when the trainer casts the module.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
     freqs = position_ids[..., None].float() * inv_freq  # [B, T, Hd/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, Hd]: Hugging Face's half-split layout
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -146,8 +168,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
-        d, hd = cfg.hidden_size, cfg.head_dim
+        self.head_dim = cfg.head_width
+        d, hd = cfg.hidden_size, cfg.head_width
         self.q_proj = nn.Linear(d, cfg.num_attention_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
@@ -288,7 +310,8 @@ class Llama(nn.Module):
             # runs over whole sequences after Ulysses' all-to-all.
             input_ids, position_ids = self._local_slice(input_ids), self._local_slice(position_ids)
         x = self.embed_tokens(input_ids)  # [B, T, D]
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [B, T, Hd]
+        inv_freq = rope_inv_freq(self.cfg, x.device)
+        cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype)  # [B, T, Hd]
         for i, block in enumerate(self.layers):
             if i in self._checkpointed and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)

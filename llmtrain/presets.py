@@ -103,12 +103,13 @@ def count_parameters(
     num_attention_heads: int,
     num_key_value_heads: int,
     tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
     **_: Any,
 ) -> int:
     """Parameters of the Llama model with this shape (no biases, RMSNorm weights only)."""
-    head_dim = hidden_size // num_attention_heads
-    kv_dim = num_key_value_heads * head_dim
-    attention = hidden_size * hidden_size * 2 + hidden_size * kv_dim * 2  # q, o; k, v
+    head_dim = head_dim or hidden_size // num_attention_heads
+    q_dim, kv_dim = num_attention_heads * head_dim, num_key_value_heads * head_dim
+    attention = hidden_size * q_dim * 2 + hidden_size * kv_dim * 2  # q, o; k, v
     mlp = 3 * hidden_size * intermediate_size  # gate, up, down
     norms = 2 * hidden_size
     embeddings = vocab_size * hidden_size

@@ -39,6 +39,7 @@ ENGINE_CONFIG_FILES = {"deepspeed": DS_CONFIG_FILE, "fsdp2": FSDP2_PLAN_FILE}
 ENVIRONMENT_FILE = "environment.json"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # a Hugging Face tokenizer's special-token names
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 WANDB_DIR = "wandb"
@@ -57,6 +58,7 @@ RUN_NAMES = frozenset(
         CURVES_FILE,
         CHECKPOINT_DIR,
         TOKENIZER_FILE,
+        TOKENIZER_CONFIG_FILE,
         WANDB_DIR,
         LOCK_FILE,
         LAUNCH_DIR,
@@ -150,10 +152,18 @@ def write_run_files(run_dir: Path, engine: str, engine_config: dict[str, Any], w
     write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
 
 
-def copy_tokenizer(run_dir: Path, tokenizer_json: Path) -> None:
-    """Rank 0 only: RUN_DIR/tokenizer.json, so the run directory alone is enough to sample or export."""
+def copy_tokenizer(run_dir: Path, tokenizer_json: Path, given: str | None = None) -> None:
+    """Rank 0 only: RUN_DIR/tokenizer.json, so the run directory alone is enough to sample or export;
+    with it the tokenizer_config.json of a Hugging Face tokenizer the run was `given` (--tokenizer, or
+    --init-from's), which names its end-of-text and start tokens."""
     if tokenizer_json.is_file():
         write_atomic(run_dir / TOKENIZER_FILE, tokenizer_json.read_text(encoding="utf-8"))
+    if given is None:
+        return
+    source = Path(given).expanduser()
+    config = (source if source.is_dir() else source.parent) / TOKENIZER_CONFIG_FILE
+    if config.is_file():
+        write_atomic(run_dir / TOKENIZER_CONFIG_FILE, config.read_text(encoding="utf-8"))
 
 
 def environment(world_size: int) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def test_gqa_without_repeated_kv_equals_mha_with_repeated_kv_weights() -> None:
     state = gqa.state_dict()
     for name, tensor in list(state.items()):
         if name.endswith(("k_proj.weight", "v_proj.weight")):
-            heads = tensor.reshape(gqa_cfg.num_key_value_heads, gqa_cfg.head_dim, -1)
+            heads = tensor.reshape(gqa_cfg.num_key_value_heads, gqa_cfg.head_width, -1)
             state[name] = heads.repeat_interleave(group, dim=0).reshape(-1, tensor.shape[-1])
     mha.load_state_dict(state)
     ids, labels = batch(gqa_cfg)

@@ -106,12 +106,15 @@ def _prepare_or_reuse(
 
 def _expected_settings(data: DataConfig, fingerprint: str, tok: Tokenizer, tok_path: Path) -> dict[str, Any]:
     """The manifest settings (Manifest.settings()) a preparation of `data` with `tok` would write."""
+    eot = toks.eot_id(tok, tok_path)
+    prefix = toks.start_ids(tok, eot)
     return {
+        **({"document_prefix": prefix} if prefix else {}),
         "format": FORMAT_VERSION,
         "source_fingerprint": fingerprint,
         "text_field": data.text_field,
         "tokenizer_hash": toks.tokenizer_hash(tok),
-        "eot_id": toks.eot_id(tok, tok_path),
+        "eot_id": eot,
         "dtype": token_dtype(toks.vocab_size(tok)),
         "val_fraction": data.val_fraction,
         "split_seed": data.split_seed,

@@ -108,7 +108,7 @@ class _ShardWriter:
 
 
 def _encode_into(writer: _ShardWriter, tok: Tokenizer, eot: int, texts: list[str], is_val: np.ndarray) -> int:
-    ids = toks.encode_documents(tok, texts)
+    ids = toks.encode_documents(tok, texts, toks.start_ids(tok, eot))
     for split, pick in (("train", ~is_val), ("val", is_val)):
         chosen = [d for d, keep in zip(ids, pick, strict=True) if keep]
         if chosen:
@@ -280,6 +280,7 @@ class _Run:
             tokenizer_hash=toks.tokenizer_hash(self.tok),
             vocab_size=toks.vocab_size(self.tok),
             eot_id=self.eot,
+            document_prefix=toks.start_ids(self.tok, self.eot),
             dtype=self.dtype,
             val_fraction=self.val_fraction,
             split_seed=self.seed,

@@ -64,10 +64,15 @@ class Manifest:
     splits: dict[str, SplitInfo]
     seconds: float = 0.0
     format: int = FORMAT_VERSION
+    document_prefix: list[int] = field(default_factory=list)  # tokenizer.start_ids: before each document
 
     def settings(self) -> dict[str, Any]:
-        """Everything that decides the shards' contents: equal settings, equal shards."""
-        return {k: getattr(self, k) for k in SETTINGS_KEYS}
+        """Everything that decides the shards' contents: equal settings, equal shards. A document prefix
+        is named only when there is one, so directories prepared before it existed stay valid."""
+        settings = {k: getattr(self, k) for k in SETTINGS_KEYS}
+        if self.document_prefix:
+            settings["document_prefix"] = self.document_prefix
+        return settings
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"

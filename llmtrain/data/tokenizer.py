@@ -7,7 +7,9 @@ directory; its end-of-text token is the `eos_token` of its tokenizer_config.json
 
 Document text is always encoded as text: a literal "<|endoftext|>" inside a document becomes ordinary
 tokens (`encode_special_tokens`), so the only end-of-text ids in a prepared stream are the separators.
-Documents are encoded with `add_special_tokens=False`: no BOS / post-processor tokens are added.
+Documents are encoded with `add_special_tokens=False`; a tokenizer whose post-processor starts every
+text with a token of its own (Llama's `<|begin_of_text|>`) has that token put before each document
+(`start_ids`), as its models were pre-trained.
 """
 
 from __future__ import annotations
@@ -141,9 +143,28 @@ def tokenizer_hash(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
 
 
-def encode_documents(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each document, without added special tokens (the separator is the caller's)."""
-    return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
+def start_ids(tok: Tokenizer, eot: int) -> list[int]:
+    """The ids the tokenizer's own post-processor puts before every text (Llama's `<|begin_of_text|>`).
+
+    A model pre-trained with them (a Hugging Face Llama) reads every document after them, so a prepared
+    stream starts each document with them and generation starts its context with them. Empty for a
+    tokenizer without a post-processor (llmtrain's own), and for one whose start token is the
+    end-of-text token (llmtrain's exports): the separator before every document is that token already.
+    """
+    if tok.post_processor is None:
+        return []
+    bare = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare]
+    prefix = full[: starts[0]] if starts else []
+    return [] if prefix == [eot] else prefix
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], prefix: list[int] | None = None) -> list[list[int]]:
+    """Token ids of each document: `prefix` (start_ids), then the text without the post-processor's
+    tokens (the separator after it is the caller's)."""
+    start = prefix or []
+    return [start + enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
 
 
 def train_tokenizer_from_source(

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from llmtrain import checkpoint
 from llmtrain.config import TrainConfig
+from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
-from llmtrain.model import build_model
 from llmtrain.parallel.layout import process_groups
 from llmtrain.quiet import held_stdout
 
@@ -30,12 +30,13 @@ def build_engine(
     and the process groups of the run's layout over `world_size` ranks.
 
     Every rank builds the whole model from the same seed; AutoTP then keeps each rank's slices, so a
-    tensor-parallel run starts from exactly the weights of a one-process run.
+    tensor-parallel run starts from exactly the weights of a one-process run. With `train.init_from`
+    the weights are the source's (engine.pretrained; under ZeRO 3 partitioned as they are built).
     """
     import deepspeed
 
     mpu = process_groups(cfg.layout(world_size))
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    model = pretrained.model_for(cfg, device, ds_config)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     if cfg.parallel.sp > 1:
         model.set_sequence_parallel(mpu.get_sequence_parallel_group())

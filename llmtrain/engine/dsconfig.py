@@ -123,7 +123,7 @@ def _precision(cfg: TrainConfig) -> dict[str, Any]:
 
 def largest_parameter(m: ModelConfig) -> int:
     """Elements of the model's largest weight: the embedding (or output layer), an MLP or a q/o matrix."""
-    return max(m.vocab_size, m.intermediate_size, m.num_attention_heads * m.head_dim) * m.hidden_size
+    return max(m.vocab_size, m.intermediate_size, m.num_attention_heads * m.head_width) * m.hidden_size
 
 
 def _zero(cfg: TrainConfig) -> dict[str, Any]:

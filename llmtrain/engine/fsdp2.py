@@ -27,9 +27,10 @@ from torch import Tensor
 from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.reading import checkpoint_dir
 from llmtrain.config import TrainConfig
+from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import HeldStates, param_groups
-from llmtrain.model import Llama, build_model
+from llmtrain.model import Llama
 
 
 def build_engine(
@@ -41,7 +42,7 @@ def build_engine(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    model = pretrained.model_for(cfg, device)
     model.set_activation_checkpointing(plan["activation_checkpointing"], cfg.train.checkpoint_every_k)
     if plan["compile_blocks"]:
         model.compile_blocks()

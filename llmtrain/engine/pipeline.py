@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig, TrainConfig
+from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, BeforeUpdate, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import DeepSpeedEngine, param_groups
 from llmtrain.engine.pipe_schedules import SCHEDULES, AgreeOnUpdate
@@ -45,6 +46,7 @@ from llmtrain.model import (
     init_parameter,
     label_count,
     rope_cos_sin,
+    rope_inv_freq,
 )
 from llmtrain.parallel import stages
 from llmtrain.parallel.layout import process_groups
@@ -92,12 +94,12 @@ class BlockStage(_Stage, Block):
             super().__init__(cfg)
         _allocated(self, device)
         self.prefix = stages.layer_prefix(index + 1, cfg.num_hidden_layers)
-        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.model_cfg = cfg
         self.checkpointed = checkpointed
 
     def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:  # type: ignore[override]
         x, positions, labels, *doc_ids = inputs
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.model_cfg, x.device), x.dtype)
         mask = document_positions_and_mask(doc_ids[0])[1] if doc_ids else None
         block = super().forward
         if self.checkpointed and torch.is_grad_enabled():
@@ -188,7 +190,10 @@ def build_pipeline(cfg: TrainConfig, device: torch.device) -> LlamaPipeline:
             num_stages=cfg.parallel.pp,
             partition_method="parameters",  # not read: LlamaPipeline partitions
         )
-    init_stage_weights(pipe, cfg.model, cfg.train.seed)
+    if cfg.train.init_from is None:
+        init_stage_weights(pipe, cfg.model, cfg.train.seed)
+    else:
+        pretrained.stage_fill(stage_parameters(pipe), pretrained.open_weights(cfg.train.init_from))
     if cfg.train.compile:
         for module in pipe.modules():
             if isinstance(module, BlockStage):

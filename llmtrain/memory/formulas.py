@@ -250,8 +250,9 @@ def parameter_tensors(model: ModelConfig, tp: int = 1) -> list[int]:
     """Element counts of every parameter tensor of llmtrain.model.Llama (a tied lm_head counted once) that
     one rank holds under tensor parallelism of degree `tp`: dsconfig's AutoTP patterns split each layer's
     q, k, v, o, gate, up and down matrices into tp slices; norms, the embedding and lm_head stay whole."""
-    d, kv, f = model.hidden_size, model.num_key_value_heads * model.head_dim, model.intermediate_size
-    split = [d * d, d * kv, d * kv, d * d, d * f, d * f, f * d]  # q, k, v, o, gate, up, down
+    d, kv, f = model.hidden_size, model.num_key_value_heads * model.head_width, model.intermediate_size
+    q = model.num_attention_heads * model.head_width
+    split = [d * q, d * kv, d * kv, q * d, d * f, d * f, f * d]  # q, k, v, o, gate, up, down
     layer = [d, d] + [n // tp for n in split]  # two RMSNorm weights, then the split matrices
     tensors = [model.vocab_size * d] + layer * model.num_hidden_layers + [d]
     if not model.tie_word_embeddings:
@@ -564,7 +565,7 @@ def layer_activation_bytes(
     and o_proj saves the all-to-all's output back, a copy apart from SDPA's output.
     """
     b, d, tokens = _bytes_of(precision), model.hidden_size, batch * seq // sp
-    kv = d if doc_mask else model.num_key_value_heads * model.head_dim
+    kv = d if doc_mask else model.num_key_value_heads * model.head_width
     norms = 2 * (tokens * d * (FP32 + b) + FP32 * tokens)
     heads = (b * tokens * (2 * d + 2 * kv) + FP32 * tokens * model.num_attention_heads) // tp
     regathered = b * tokens * d if sp > 1 else 0
@@ -615,7 +616,7 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     # positions (and document ids) passed between stages.
     computed = 1 if setup.layout.pp == 1 else span.blocks
     whole = t.micro_batch * t.seq_len  # every sp rank receives whole sequences and slices views of them
-    rope = computed * 2 * b * tokens * m.head_dim
+    rope = computed * 2 * b * tokens * m.head_width
     mask = computed * whole * t.seq_len if doc_mask else 0
     ids = 8 * whole if span.embedding else 0  # the embedding's int64 indices
     head = 0
@@ -676,7 +677,7 @@ def ulysses_buffer_bytes(setup: Setup) -> int:
     if setup.layout.sp == 1:
         return 0
     m = setup.cfg.model
-    kv = m.num_key_value_heads * m.head_dim  # exchanged before document masking repeats them
+    kv = m.num_key_value_heads * m.head_width  # exchanged before document masking repeats them
     return 2 * setup.lp_bytes * rank_tokens(setup) * (m.hidden_size + kv)
 
 

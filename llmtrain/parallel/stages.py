@@ -27,6 +27,7 @@ class ModelShape(Protocol):
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    head_dim: int | None
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ def _block_parameters(model: ModelShape) -> int:
             num_hidden_layers=n,
             num_attention_heads=model.num_attention_heads,
             num_key_value_heads=model.num_key_value_heads,
+            head_dim=model.head_dim,
         )
 
     return with_blocks(2) - with_blocks(1)

@@ -35,7 +35,7 @@ from llmtrain.train import schedule
 
 # What a fork may change besides what a resume may: the learning-rate schedule (its tail).
 FORK_MAY_CHANGE = (*RESUME_MAY_CHANGE, "schedule.")
-COPIED_FILES = (rundir.TOKENIZER_FILE, rundir.METRICS_FILE)
+COPIED_FILES = (rundir.TOKENIZER_FILE, rundir.TOKENIZER_CONFIG_FILE, rundir.METRICS_FILE)
 
 
 def prepare_fork(parent: Path, step: str, new_dir: Path, changes: ConfigChanges) -> PreparedRun:

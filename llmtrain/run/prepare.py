@@ -76,6 +76,7 @@ def prepare_train(cfg: TrainConfig, resume_auto: bool, made_dir: bool = False) -
     rundir.refuse_foreign_files(run_dir)
     check_launch(cfg)
     check_inputs(cfg)
+    pin_init_source(cfg, run_dir)
     derive(cfg)
     return PreparedRun(cfg, run_dir, resume=False, new_dir=made_dir or not run_dir.exists())
 
@@ -168,6 +169,27 @@ def check_inputs(cfg: TrainConfig) -> None:
         tok = toks.load_tokenizer(cfg.data.tokenizer)
         shards.check_vocab(toks.vocab_size(tok), cfg.model.vocab_size, f"--tokenizer {cfg.data.tokenizer}")
     faults.parse(os.environ.get(faults.ENV, ""))  # the reliability tests' fault plan, checked up front
+
+
+def pin_init_source(cfg: TrainConfig, run_dir: Path) -> None:
+    """Check `--init-from`'s weights before any worker starts, and pin a run source to the checkpoint
+    step it resolves to (config.yaml then records exactly where the run started)."""
+    from llmtrain import export, inference, init_source
+
+    if cfg.train.init_from is None:
+        return
+    source = init_source.parse(cfg.train.init_from)
+    if source.kind == "hf":
+        init_source.check_hf_weights(source.path, export.expected_shapes(cfg.model))
+        cfg.train.init_from = str(source.path)
+        return
+    if source.path == run_dir.resolve():
+        raise ConfigError(
+            f"{init_source.FLAG} {cfg.train.init_from}: is this run's own directory; give the new run "
+            "a --run-dir of its own"
+        )
+    run = inference.open_run(source.path, source.checkpoint)
+    cfg.train.init_from = f"{source.path}:{run.step}"
 
 
 _HOSTFILE_LINE = re.compile(r"^\s*(\S+)\s+slots\s*=\s*(\d+)\s*$")

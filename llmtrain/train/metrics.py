@@ -71,7 +71,7 @@ def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """
     n = matmul_parameters(model_cfg)
     layers = model_cfg.num_hidden_layers
-    width = model_cfg.num_attention_heads * model_cfg.head_dim
+    width = model_cfg.num_attention_heads * model_cfg.head_width
     return float(6 * n + 12 * layers * width * seq_len)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain import checkpoint, rundir
+from llmtrain import checkpoint, init_source, rundir
 from llmtrain.config import TrainConfig, to_dict
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
@@ -115,8 +115,11 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
         rundir.write_run_files(run_dir, cfg.train.engine, settings, world.world_size)
     prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
-        rundir.copy_tokenizer(run_dir, prepared.tokenizer_path)
+        rundir.copy_tokenizer(run_dir, prepared.tokenizer_path, cfg.data.tokenizer)
     engine = build_engine(cfg, world, settings)
+    if world.is_main and choice is None and cfg.train.init_from is not None:
+        source = init_source.parse(cfg.train.init_from).describe()
+        print(f"weights from {source}; optimizer and schedule start fresh", flush=True)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
         # Saved at another world size: DeepSpeed's universal format re-partitions the states.
