@@ -25,7 +25,7 @@ from llmtrain import __version__
 from llmtrain import config as config_mod
 from llmtrain.config import ConfigError
 from llmtrain.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILURE, BadInput, RunFailure
-from llmtrain.flags import FLAG_KEYS
+from llmtrain.flags import FLAG_KEYS, REPEATABLE_FLAGS
 from llmtrain.fsutil import check_output_file
 
 app = typer.Typer(
@@ -67,6 +67,11 @@ def _flag_param(flag: str, key: str) -> inspect.Parameter:
     if config_mod.base_type(tp) is bool:
         option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
         annotation: Any = Annotated[bool | None, option]
+    elif flag in REPEATABLE_FLAGS:
+        metavar = config_mod.type_name(tp).replace(" or none", "").upper().replace(" ", "")
+        help_text += REPEATABLE_FLAGS[flag]
+        option = typer.Option(flag, help=help_text, metavar=metavar, show_default=False)
+        annotation = Annotated[list[str] | None, option]
     else:
         metavar = config_mod.type_name(tp).replace(" or none", "").upper().replace(" ", "")
         option = typer.Option(flag, help=help_text, metavar=metavar, show_default=False)
@@ -118,6 +123,7 @@ def _with_flags(func: Callable[..., Any], wanted: tuple[str, ...]) -> Callable[.
     @functools.wraps(func)
     def wrapper(**kwargs: Any) -> Any:
         flags = {names[n]: kwargs.pop(n) for n in list(kwargs) if n in names}
+        flags = {key: None if value == [] else value for key, value in flags.items()}  # unused, repeatable
         cfg_args = {
             "config_file": kwargs.pop("config_file"),
             "sets": kwargs.pop("set_") or [],

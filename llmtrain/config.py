@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -78,9 +79,22 @@ class ModelConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One source of a data mixture and its weight (its share of the training samples, normalised)."""
+
+    source: str
+    weight: float
+
+
+@dataclass
 class DataConfig:
     source: str | None = _f(
         None, "text source: file, directory, glob, save_to_disk dir or hub name; none = built-in corpus"
+    )
+    mixture: list[MixtureSource] | None = _f(
+        None,
+        "weighted sources instead of one: in YAML a list of {source: ..., weight: ...}, or "
+        "--data SOURCE:WEIGHT repeated; weights are normalised (not settable with --set)",
     )
     text_field: str = _f("text", "field holding the text in JSONL / Parquet / CSV / datasets")
     hub_config: str | None = _f(None, "configuration name of a hub dataset")
@@ -353,6 +367,8 @@ def type_name(tp: Any) -> str:
     base = base_type(tp)
     if get_origin(base) is Literal:
         name = " | ".join(str(a) for a in get_args(base))
+    elif get_origin(base) is list:
+        name = "a list of {source, weight}"
     elif base is ByteSize:
         name = "a size in bytes (e.g. 50e9, 500MB, 2GiB)"
     else:
@@ -370,6 +386,11 @@ def coerce(key: str, value: Any, where: str) -> Any:
         if _is_optional(tp):
             return None
         raise ConfigError(f"{where}: {key} needs a value of type {type_name(tp)}")
+    if get_origin(base) is list and isinstance(value, str):
+        raise ConfigError(
+            f"{where}: {key} is a list: write it in the --config YAML (data: {{mixture: [{{source: a.jsonl, "
+            "weight: 0.7}, ...]}) or repeat --data SOURCE:WEIGHT"
+        )
     try:
         return _coerce_to(base, value)
     except (TypeError, ValueError):
@@ -377,6 +398,8 @@ def coerce(key: str, value: Any, where: str) -> Any:
 
 
 def _coerce_to(base: Any, value: Any) -> Any:
+    if get_origin(base) is list:
+        return _mixture(value)
     if base is ByteSize:
         if isinstance(value, bool):
             raise ValueError(value)
@@ -416,6 +439,56 @@ def _coerce_to(base: Any, value: Any) -> Any:
             raise ValueError(value)
         return str(value)
     raise TypeError(base)
+
+
+def _mixture(value: Any) -> list[MixtureSource]:
+    """data.mixture from YAML (a list of {source, weight} mappings) or from `--data` (MixtureSource items)."""
+    if not isinstance(value, list):
+        raise ValueError(value)
+    entries = []
+    for item in value:
+        if isinstance(item, MixtureSource):
+            item = dataclasses.asdict(item)
+        if not isinstance(item, dict) or set(item) != {"source", "weight"}:
+            raise ValueError(value)
+        weight, source = item["weight"], item["source"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not isinstance(source, str):
+            raise ValueError(value)
+        entries.append(MixtureSource(item["source"], float(weight)))
+    return entries
+
+
+def data_flag(values: list[str]) -> dict[str, Any]:
+    """`--data` as typed (repeatable): one SOURCE sets data.source; SOURCE:WEIGHT items set data.mixture."""
+    parsed = [_source_and_weight(text) for text in values]
+    if len(parsed) == 1 and parsed[0][1] is None:
+        return {"data.source": parsed[0][0]}
+    unweighted = [source for source, weight in parsed if weight is None]
+    if unweighted:
+        raise ConfigError(
+            f"--data {unweighted[0]}: every source of a mixture needs a weight; write --data SOURCE:WEIGHT "
+            "(e.g. --data a.jsonl:0.7 --data docs/:0.3)"
+        )
+    entries = [MixtureSource(source, weight) for source, weight in parsed if weight is not None]
+    return {"data.mixture": entries}
+
+
+def _source_and_weight(text: str) -> tuple[str, float | None]:
+    """`a.jsonl:0.7` -> (a.jsonl, 0.7); a path without a trailing `:NUMBER` (or one that exists as
+    typed) is a source without a weight."""
+    source, colon, tail = text.rpartition(":")
+    if not colon or Path(text).expanduser().exists() or "/" in tail:
+        return text, None
+    try:
+        weight = float(tail)
+    except ValueError:
+        raise ConfigError(
+            f"--data {text}: {tail!r} is not a weight; write SOURCE:WEIGHT with a positive number "
+            "(e.g. --data a.jsonl:0.7)"
+        ) from None
+    if not source:
+        raise ConfigError(f"--data {text}: no source before the weight; write SOURCE:WEIGHT")
+    return source, weight
 
 
 # ---------------------------------------------------------------- layering
@@ -496,6 +569,8 @@ def resolve(
     """
     set_values = parse_set(sets or [])
     flag_values = {k: v for k, v in (flags or {}).items() if v is not None}
+    if isinstance(flag_values.get("data.source"), list):  # --data, repeatable
+        flag_values.update(data_flag(flag_values.pop("data.source")))
     for key in flag_values:
         _check_key(key)
     layers = [
@@ -750,6 +825,25 @@ def _validate_other(cfg: TrainConfig) -> None:
     _require(cfg.launch.collective_timeout_s > 0, "launch.collective_timeout_s", "must be positive")
     _require(0 <= cfg.data.val_fraction < 1, "data.val_fraction", "must be in [0, 1)")
     _require(cfg.data.num_proc > 0, "data.num_proc", "must be positive")
+    _validate_mixture(cfg.data)
+
+
+def _validate_mixture(data: DataConfig) -> None:
+    if data.mixture is None:
+        return
+    if data.source is not None:
+        raise ConfigError(
+            f"--data {data.source}: a run reads one source (--data SOURCE) or a mixture (--data SOURCE:WEIGHT "
+            "repeated, or data.mixture), not both; drop one of them"
+        )
+    if not data.mixture:
+        raise ConfigError("data.mixture: the list is empty; give at least one {source, weight}")
+    for entry in data.mixture:
+        if not (math.isfinite(entry.weight) and entry.weight > 0):
+            raise ConfigError(
+                f"--data {entry.source}:{entry.weight:g}: a weight must be a positive number; "
+                "weights are relative (normalised to sum to 1)"
+            )
 
 
 _PROFILE_WINDOW = re.compile(r"(\d+):(\d+)")

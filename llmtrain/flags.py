@@ -51,6 +51,11 @@ FLAG_KEYS: dict[str, str] = {
     "--collective-timeout": "launch.collective_timeout_s",
 }
 _KEY_FLAGS = {key: flag for flag, key in FLAG_KEYS.items()}
+# Flags that may be given more than once, with what their help adds about repeating them. `--data`
+# repeated as SOURCE:WEIGHT sets data.mixture instead (config.data_flag).
+REPEATABLE_FLAGS: dict[str, str] = {
+    "--data": "; repeat as --data SOURCE:WEIGHT (--data a.jsonl:0.7 --data docs/:0.3) for a weighted mixture",
+}
 
 
 def flag_for(key: str) -> str:

@@ -118,6 +118,12 @@ def _prepared(cfg: TrainConfig) -> PreparedData:
     """The run's prepared data, from the cache (prepared again, identically, when it was deleted)."""
     from llmtrain.data.cache import ensure_prepared
 
+    if cfg.data.mixture:
+        names = ", ".join(entry.source for entry in cfg.data.mixture)
+        raise ConfigError(
+            f"the run trained on a mixture ({names}); name the data to evaluate: --data SOURCE "
+            "(one of them, or any other source)"
+        )
     return ensure_prepared(cfg.data, cfg.model.vocab_size, show_progress=False)
 
 

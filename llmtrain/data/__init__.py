@@ -8,6 +8,8 @@ Modules:
     shards      the reader: manifest, token streams, an opened prepared directory
     cache       `train --data`: prepared shards built once per source, tokenizer and settings, then reused
     dataset     packed sequences, the world-size-independent sampler, prefetch (TrainLoader, val_batches)
+    mixture     several weighted sources (`--data a:0.7 --data b:0.3`): names, one tokenizer, each prepared
+    blend       a mixture's stream: sources drawn by weight (Megatron's deficit rule), MixtureLoader
 
 The trainer needs three calls:
     prepared = cache.ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=..., barrier=...)

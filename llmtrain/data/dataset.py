@@ -73,7 +73,13 @@ class EpochPermutation:
 
 
 def _window_batch(stream: TokenStream, seqs: np.ndarray, seq_len: int, eot: int, masking: bool) -> Batch:
-    windows = np.stack([stream.read(int(i) * seq_len, seq_len + 1) for i in seqs]).astype(np.int64)
+    windows = np.stack([stream.read(int(i) * seq_len, seq_len + 1) for i in seqs])
+    return pack_windows(windows, eot, masking)
+
+
+def pack_windows(windows: np.ndarray, eot: int, masking: bool) -> Batch:
+    """A batch from token windows [B, seq_len + 1] (each sequence and the token after it)."""
+    windows = windows.astype(np.int64)
     batch = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
         "labels": torch.from_numpy(np.ascontiguousarray(windows[:, 1:])),
@@ -192,6 +198,16 @@ class TrainLoader:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+
+    # ---- what the trainer reports (a mixture's loader has more to say: data.blend.MixtureLoader)
+
+    def take_notices(self) -> list[str]:
+        """Warnings about the data since the last call (none for one source: its epochs are silent)."""
+        return []
+
+    def source_stats(self) -> dict[str, dict[str, int]] | None:
+        """Tokens and epoch per source of a mixture; None for one source."""
+        return None
 
     # ---- resumable state: plain data, independent of rank and world size
 

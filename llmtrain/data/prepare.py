@@ -411,6 +411,26 @@ def train_auto_tokenizer(data: DataConfig, source: str, vocab_size: int, path: P
     )
 
 
+def train_mixture_tokenizer(data: DataConfig, source_list: list[str], vocab_size: int, path: Path) -> None:
+    """One tokenizer for a mixture: an equal share of TOKENIZER_TRAIN_CHARS from each source, in order.
+
+    Equal shares, not the weights: a fork may change the weights, and the tokenizer must not change.
+    """
+    share = TOKENIZER_TRAIN_CHARS // len(source_list)
+
+    def documents(source: str) -> sources.Documents:
+        return sources.load_documents(
+            source,
+            text_field=data.text_field,
+            hub_config=data.hub_config,
+            streaming=data.streaming,
+            flag="--data",
+        )
+
+    texts = chain.from_iterable(_capped_texts(documents(source), share) for source in source_list)
+    toks.train_tokenizer(texts, vocab_size, path, flag="--set model.vocab_size")
+
+
 def _capped_texts(docs: sources.Documents, max_chars: int) -> Iterator[str]:
     seen = 0
     for batch in docs.iter(batch_size=BATCH_DOCS):

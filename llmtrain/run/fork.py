@@ -33,8 +33,9 @@ from llmtrain.run.prepare import (
 )
 from llmtrain.train import schedule
 
-# What a fork may change besides what a resume may: the learning-rate schedule (its tail).
-FORK_MAY_CHANGE = (*RESUME_MAY_CHANGE, "schedule.")
+# What a fork may change besides what a resume may: the learning-rate schedule (its tail), and a
+# data mixture's weights (its sources stay: data.mixture.refuse_changed_sources).
+FORK_MAY_CHANGE = (*RESUME_MAY_CHANGE, "schedule.", "data.mixture")
 COPIED_FILES = (rundir.TOKENIZER_FILE, rundir.TOKENIZER_CONFIG_FILE, rundir.METRICS_FILE)
 
 
@@ -45,6 +46,10 @@ def prepare_fork(parent: Path, step: str, new_dir: Path, changes: ConfigChanges)
     _refuse_destination(parent, new_dir)
     cfg = resolve_config(changes.config_file, changes.sets, changes.flags, base=saved)
     refuse_breaking_changes(saved, cfg, parent, FORK_MAY_CHANGE)
+    if saved.data.mixture != cfg.data.mixture:
+        from llmtrain.data.mixture import refuse_changed_sources
+
+        refuse_changed_sources(saved.data, cfg.data, f"fork {parent}")
     cfg.run_dir = str(new_dir)
     if cfg.total_steps <= info.step:
         raise ConfigError(

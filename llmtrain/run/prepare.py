@@ -160,11 +160,11 @@ def check_inputs(cfg: TrainConfig) -> None:
     from llmtrain.data import shards, sources
     from llmtrain.data import tokenizer as toks
 
-    source = cfg.data.source
-    if source and not sources.is_hub_name(source) and not shards.is_prepared_dir(source):
-        files = sources.local_files(source, flag="--data")
-        if all(path.stat().st_size == 0 for path in files):
-            raise ConfigError(f"--data {source}: empty source (no text); point it at non-empty files")
+    for source in [cfg.data.source, *(entry.source for entry in cfg.data.mixture or [])]:
+        if source and not sources.is_hub_name(source) and not shards.is_prepared_dir(source):
+            files = sources.local_files(source, flag="--data")
+            if all(path.stat().st_size == 0 for path in files):
+                raise ConfigError(f"--data {source}: empty source (no text); point it at non-empty files")
     if cfg.data.tokenizer:
         tok = toks.load_tokenizer(cfg.data.tokenizer)
         shards.check_vocab(toks.vocab_size(tok), cfg.model.vocab_size, f"--tokenizer {cfg.data.tokenizer}")

@@ -8,8 +8,10 @@ metrics.jsonl holds one JSON object per line:
   `tokens` (cumulative, counting resumed runs), `tokens_per_sec` (over the interval since the previous
   record), `elapsed_s` (training wall time, cumulative across resumes), `skipped` and `spikes`
   (cumulative counts from the stability guard), and `mfu` (a fraction) where the device's peak is known
-  (a GPU in `PEAK_BF16_FLOPS`, or `logging.peak_flops`);
-- an evaluation record: `{"step", "val_loss", "val_ppl"}`.
+  (a GPU in `PEAK_BF16_FLOPS`, or `logging.peak_flops`); a data mixture adds
+  `sources`: `{name: {"tokens": cumulative tokens drawn from it, "epoch": its pass under way, 1 first}}`;
+- an evaluation record: `{"step", "val_loss", "val_ppl"}`; a mixture adds `sources`:
+  `{name: {"val_loss": ...}}`, and `val_loss` is the sources' losses weighted by the mixture.
 Non-finite numbers are written as null, so every line is strict JSON.
 
 A resumed run truncates the file to the records at or before the checkpoint's step and appends, so the
@@ -361,6 +363,7 @@ class MetricsLogger:
         tokens: int,
         skipped: int = 0,
         spikes: int = 0,
+        sources: dict[str, dict[str, int]] | None = None,
         **extra: float,
     ) -> dict[str, Any]:
         """Record a training step (after `step` updates, `tokens` trained in total); returns the record."""
@@ -383,20 +386,32 @@ class MetricsLogger:
         if run_mfu is not None:
             record["mfu"] = run_mfu
         record.update({k: _clean(v) for k, v in extra.items()})
+        if sources is not None:
+            record["sources"] = sources
         self.last_train = record
         if self.enabled:
             self._write(record)
             self._show_step(record)
         return record
 
-    def log_eval(self, step: int, val_loss: float) -> dict[str, Any]:
-        """Record an evaluation: validation loss and perplexity (exp of the loss)."""
+    def log_eval(self, step: int, val_loss: float, sources: dict[str, float] | None = None) -> dict[str, Any]:
+        """Record an evaluation: validation loss and perplexity (exp of the loss), and per source of a
+        mixture its own validation loss."""
         val_ppl = math.exp(val_loss) if val_loss < 700 else math.inf
-        record = {"step": step, "val_loss": _clean(float(val_loss)), "val_ppl": _clean(val_ppl)}
+        record: dict[str, Any] = {
+            "step": step,
+            "val_loss": _clean(float(val_loss)),
+            "val_ppl": _clean(val_ppl),
+        }
+        line = f"eval step {step} val_loss {_fmt_loss(record['val_loss'])} val_ppl {val_ppl:.2f}"
+        if sources:
+            record["sources"] = {name: {"val_loss": _clean(float(loss))} for name, loss in sources.items()}
+            each = ", ".join(f"{name} {_fmt_loss(v['val_loss'])}" for name, v in record["sources"].items())
+            line += f" ({each})"
         self._note_val_loss(val_loss)
         if self.enabled:
             self._write(record)
-            self._print(f"eval step {step} val_loss {_fmt_loss(record['val_loss'])} val_ppl {val_ppl:.2f}")
+            self._print(line)
         return record
 
     def warn(self, message: str) -> None:
@@ -478,6 +493,8 @@ class MetricsLogger:
             "skipped_steps": last.get("skipped", 0),
             "wall_time_s": self._elapsed_before + session,
         }
+        if "sources" in last:
+            out["sources"] = last["sources"]
         return out
 
     def close(self, exit_code: int = 0) -> dict[str, Any]:
@@ -522,4 +539,8 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("MFU", "-" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%")
     table.add_row("skipped steps", str(summary["skipped_steps"]))
     table.add_row("wall time", _fmt_duration(summary["wall_time_s"]))
+    total = sum(s["tokens"] for s in summary.get("sources", {}).values()) or 1
+    for name, seen in summary.get("sources", {}).items():
+        share = f"{seen['tokens']:,} ({100 * seen['tokens'] / total:.1f}%), epoch {seen['epoch']}"
+        table.add_row(f"tokens {name}", share)
     return table

@@ -22,8 +22,10 @@ import torch
 
 from llmtrain import checkpoint, init_source, rundir
 from llmtrain.config import TrainConfig, to_dict
+from llmtrain.data.blend import MixtureLoader, mixture_val_batches, weighted_loss
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
+from llmtrain.data.mixture import MixturePart, prepare_mixture
 from llmtrain.data.shards import PreparedData
 from llmtrain.engine.base import Engine
 from llmtrain.engine.build import build_engine, engine_config
@@ -113,9 +115,14 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     settings = engine_config(cfg, world, load_universal=universal)
     if world.is_main:
         rundir.write_run_files(run_dir, cfg.train.engine, settings, world.world_size)
-    prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
+    prepared: PreparedData | list[MixturePart]
+    if cfg.data.mixture:
+        prepared = prepare_mixture(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
+    else:
+        prepared = ensure_prepared(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
     if world.is_main:
-        rundir.copy_tokenizer(run_dir, prepared.tokenizer_path, cfg.data.tokenizer)
+        first = prepared[0].prepared if isinstance(prepared, list) else prepared  # one tokenizer for all
+        rundir.copy_tokenizer(run_dir, first.tokenizer_path, cfg.data.tokenizer)
     engine = build_engine(cfg, world, settings)
     if world.is_main and choice is None and cfg.train.init_from is not None:
         source = init_source.parse(cfg.train.init_from).describe()
@@ -145,7 +152,14 @@ def _seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, world: World, run_dir: Path, engine: Engine, prepared: PreparedData):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        world: World,
+        run_dir: Path,
+        engine: Engine,
+        prepared: PreparedData | list[MixturePart],
+    ):
         self.cfg, self.world, self.run_dir, self.engine = cfg, world, run_dir, engine
         # Fault injection when LLMTRAIN_FAULTS is set, the profiler with --profile.
         hooks = [*faults.hooks_from_env(world.rank), *profile.hooks_from_config(cfg, world, run_dir)]
@@ -154,8 +168,10 @@ class Trainer:
         # The ranks of one tp or sp group, and the stages of one pipeline, read the same samples: the
         # loader sees data-parallel ranks.
         self.layout = cfg.layout(world.world_size)
-        self.loader = TrainLoader(
-            prepared,
+        self.mixture = prepared if isinstance(prepared, list) else None
+        loader_class = MixtureLoader if isinstance(prepared, list) else TrainLoader
+        self.loader: TrainLoader | MixtureLoader = loader_class(
+            prepared,  # type: ignore[arg-type]  # each class takes its own kind
             cfg.train.seq_len,
             cfg.train.micro_batch,
             cfg.global_batch,
@@ -165,7 +181,7 @@ class Trainer:
             document_masking=cfg.data.document_masking,
             pin_memory=world.accelerator == "cuda",
         )
-        self.val = self._val_batches(prepared)
+        self.val, self.val_sources = self._val_batches(prepared)
         self.guard = StabilityGuard(cfg.stability)
         self.counters = Counters()
         self.total_steps = cfg.total_steps
@@ -187,11 +203,15 @@ class Trainer:
         state.register("guard", self.guard)
         return state
 
-    def _val_batches(self, prepared: PreparedData) -> list[dict[str, torch.Tensor]]:
+    def _val_batches(
+        self, prepared: PreparedData | list[MixturePart]
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, list[dict[str, torch.Tensor]]]]:
+        """The validation batches: of the one source, or of each source of a mixture (by name)."""
         if not self.cfg.train.eval_every:
-            return []
-        return val_batches(
-            prepared,
+            return [], {}
+        read = mixture_val_batches if isinstance(prepared, list) else val_batches
+        batches = read(
+            prepared,  # type: ignore[arg-type]  # each function takes its own kind
             self.cfg.train.seq_len,
             self.cfg.train.micro_batch,
             rank=self.layout.data_rank(self.world.rank),
@@ -199,6 +219,7 @@ class Trainer:
             n_batches=self.cfg.train.eval_batches,
             document_masking=self.cfg.data.document_masking,
         )
+        return ([], batches) if isinstance(batches, dict) else (batches, {})
 
     def open_metrics(self) -> None:
         self.metrics = MetricsLogger.from_config(
@@ -308,6 +329,8 @@ class Trainer:
 
     def log(self, result: StepResult) -> None:
         assert self.metrics is not None
+        for notice in self.loader.take_notices():  # a mixture's source exhausted and repeated, ...
+            self.metrics.warn(notice)
         if result.verdict.reason:
             action = "skipped" if result.verdict.skip else "warning"
             self.metrics.warn(f"step {self.counters.step}: {result.verdict.reason} ({action})")
@@ -321,17 +344,23 @@ class Trainer:
                 tokens=self.counters.tokens,
                 skipped=self.guard.skipped_total,
                 spikes=self.guard.spikes_total,
+                sources=self.loader.source_stats(),
             )
 
     def maybe_evaluate(self) -> None:
         every = self.cfg.train.eval_every
         if every and (self.counters.step % every == 0 or self.counters.step == self.total_steps):
             assert self.metrics is not None
-            self.metrics.log_eval(self.counters.step, self.evaluate())
+            val_loss, by_source = self.evaluate()
+            self.metrics.log_eval(self.counters.step, val_loss, sources=by_source or None)
             self.refresh_curves()
 
-    def evaluate(self) -> float:
-        return self.engine.evaluate(self.val)
+    def evaluate(self) -> tuple[float, dict[str, float]]:
+        """The validation loss; for a mixture also each source's, the overall one their weighted mean."""
+        if self.mixture is None:
+            return self.engine.evaluate(self.val), {}
+        losses = {name: self.engine.evaluate(batches) for name, batches in self.val_sources.items()}
+        return weighted_loss(losses, self.mixture), losses
 
     def refresh_curves(self) -> None:
         """Rank 0 redraws RUN_DIR/curves.png (once per step); a plotting error is a warning, never a
