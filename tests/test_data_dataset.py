@@ -177,8 +177,9 @@ def test_a_dropped_loader_stops_its_prefetch_thread(prepared: shards.PreparedDat
 
     ld = loader(prepared, prefetch=1)
     ld.next_step()
-    thread = ld._thread
-    assert thread is not None and thread.is_alive()
+    assert ld._prefetcher is not None
+    thread = ld._prefetcher._thread
+    assert thread.is_alive()
     del ld
     gc.collect()
     thread.join(timeout=5)

@@ -24,9 +24,6 @@ what the old weights under-drew; the run-long counts (`drawn`, the tokens in met
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +31,14 @@ from typing import Any
 import numpy as np
 
 from llmtrain.config import ConfigError
-from llmtrain.data.dataset import Batch, EpochPermutation, num_sequences, pack_windows, val_batches
+from llmtrain.data.dataset import (
+    Batch,
+    EpochPermutation,
+    Prefetcher,
+    num_sequences,
+    pack_windows,
+    val_batches,
+)
 from llmtrain.data.mixture import MixturePart
 from llmtrain.data.shards import splitmix64
 from llmtrain.parallel import rules
@@ -135,9 +139,7 @@ class MixtureLoader:
         self.seeds = [source_seed(seed, i) for i in range(len(parts))]
         self.cursors: Cursors = tuple(Cursor() for _ in parts)
         self._notices: list[str] = []
-        self._queue: queue.Queue[Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._prefetcher: Prefetcher | None = None
 
     # ---- what one step holds
 
@@ -200,37 +202,28 @@ class MixtureLoader:
 
     def next_step(self) -> list[Batch]:
         """The grad_accum micro-batches ({input_ids, labels[, doc_ids]}: int64 [micro_batch, seq_len])."""
-        if self._thread is None:
-            self._start()
-        assert self._queue is not None
-        before, payload = self._queue.get()
-        if isinstance(payload, BaseException):
-            raise payload
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(self, MixtureLoader._produce, self.cursors, self.prefetch)
+        before, (batches, after, events) = self._prefetcher.get()
         assert before == self.cursors, "prefetch out of order"
-        batches, self.cursors, events = payload
+        self.cursors = after
         self._notices += [event.message() for event in events]
         return batches
 
-    def _start(self) -> None:
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=max(1, self.prefetch))
-        # A weak reference, as in TrainLoader: a loader dropped without close() is still collected.
-        self._thread = threading.Thread(
-            target=_produce, args=(weakref.ref(self), self.cursors, self._queue, self._stop), daemon=True
-        )
-        self._thread.start()
+    def _produce(self, cursors: Cursors) -> tuple[tuple[list[Batch], Cursors, list[Exhausted]], Cursors]:
+        slots, after, events = self.plan_step(cursors)
+        return (self.build_step(slots), after, events), after
 
     def close(self) -> None:
         """Stop the prefetch thread (it restarts on the next `next_step`)."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread, self._queue = None, None
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
 
     def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.signal_stop()
 
     # ---- what the trainer reports
 
@@ -313,29 +306,6 @@ class MixtureLoader:
                 f"resume: the checkpoint's mixture is {theirs} (source, sequences), this run's is {mine}; "
                 "resume with the same sources (prepared as before)"
             )
-
-
-def _produce(
-    ref: weakref.ReferenceType[MixtureLoader], cursors: Cursors, out: queue.Queue[Any], stop: threading.Event
-) -> None:
-    """Prefetch thread: plan and build steps in order from `cursors` until stopped or the loader is gone."""
-    while not stop.is_set():
-        loader = ref()
-        if loader is None:
-            return
-        try:
-            slots, after, events = loader.plan_step(cursors)
-            item: Any = (cursors, (loader.build_step(slots), after, events))
-        except BaseException as exc:  # surfaced in the training thread by next_step
-            item, after = (cursors, exc), cursors
-        cursors = after
-        del loader
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
 
 
 def mixture_val_batches(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -103,6 +103,66 @@ def consecutive_batches(
     return [_window_batch(stream, np.arange(f, f + micro_batch), seq_len, eot, masking) for f in firsts]
 
 
+class Prefetcher:
+    """A loader's steps, built in order `depth` ahead by a background thread.
+
+    `produce(loader, position) -> (payload, next position)` runs in the thread on a weakly referenced
+    loader, so a loader dropped without close() is still collected (its __del__ stops the thread)
+    instead of being kept alive by its own prefetcher. An error is handed over in the payload's place
+    and raised by `get` in the training thread.
+    """
+
+    def __init__(
+        self, loader: Any, produce: Callable[[Any, Any], tuple[Any, Any]], position: Any, depth: int
+    ):
+        self._stop = threading.Event()
+        self._queue: queue.Queue[tuple[Any, Any]] = queue.Queue(maxsize=max(1, depth))
+        args = (weakref.ref(loader), produce, position, self._queue, self._stop)
+        self._thread = threading.Thread(target=_prefetch, args=args, daemon=True)
+        self._thread.start()
+
+    def get(self) -> tuple[Any, Any]:
+        """(position, payload) of the next step."""
+        position, payload = self._queue.get()
+        if isinstance(payload, BaseException):
+            raise payload
+        return position, payload
+
+    def signal_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _prefetch(
+    ref: weakref.ReferenceType[Any],
+    produce: Callable[[Any, Any], tuple[Any, Any]],
+    position: Any,
+    out: queue.Queue[tuple[Any, Any]],
+    stop: threading.Event,
+) -> None:
+    """Prefetch thread: produce steps in order from `position` until stopped or the loader is gone."""
+    while not stop.is_set():
+        loader = ref()
+        if loader is None:
+            return
+        try:
+            payload, after = produce(loader, position)
+            item: tuple[Any, Any] = (position, payload)
+        except BaseException as exc:  # surfaced in the training thread by get()
+            item, after = (position, exc), position
+        position = after
+        del loader
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+
+
 class TrainLoader:
     """This rank's micro-batches, one optimizer step at a time, prefetched in a background thread."""
 
@@ -136,9 +196,7 @@ class TrainLoader:
                 "use more data or a smaller --global-batch / --seq-len"
             )
         self.epoch, self.step_in_epoch = 0, 0
-        self._queue: queue.Queue[Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._prefetcher: Prefetcher | None = None
 
     # ---- what one step holds
 
@@ -165,39 +223,27 @@ class TrainLoader:
 
     def next_step(self) -> list[Batch]:
         """The grad_accum micro-batches ({input_ids, labels[, doc_ids]}: int64 [micro_batch, seq_len])."""
-        if self._thread is None:
-            self._start()
-        assert self._queue is not None
-        position, payload = self._queue.get()
-        if isinstance(payload, BaseException):
-            raise payload
+        if self._prefetcher is None:
+            position = (self.epoch, self.step_in_epoch)
+            self._prefetcher = Prefetcher(self, TrainLoader._produce, position, self.prefetch)
+        position, payload = self._prefetcher.get()
         assert position == (self.epoch, self.step_in_epoch), "prefetch out of order"
         self.epoch, self.step_in_epoch = self._after(*position)
         return payload
 
-    def _start(self) -> None:
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=max(1, self.prefetch))
-        # The thread holds only a weak reference, so a loader dropped without close() is collected
-        # (its __del__ stops the thread) instead of being kept alive by its own prefetcher.
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(weakref.ref(self), self.epoch, self.step_in_epoch, self._queue, self._stop),
-            daemon=True,
-        )
-        self._thread.start()
+    def _produce(self, position: tuple[int, int]) -> tuple[list[Batch], tuple[int, int]]:
+        return self.build_step(*position), self._after(*position)
 
     def close(self) -> None:
         """Stop the prefetch thread (it restarts on the next `next_step`)."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread, self._queue = None, None
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
 
     def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.signal_stop()
 
     # ---- what the trainer reports (a mixture's loader has more to say: data.blend.MixtureLoader)
 
@@ -244,32 +290,6 @@ class TrainLoader:
         self.epoch, self.step_in_epoch = int(state["epoch"]), samples_in_epoch // self.global_batch
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-
-
-def _produce(
-    ref: weakref.ReferenceType[TrainLoader],
-    epoch: int,
-    step: int,
-    out: queue.Queue[Any],
-    stop: threading.Event,
-) -> None:
-    """Prefetch thread: build steps in order from (epoch, step) until stopped or the loader is gone."""
-    while not stop.is_set():
-        loader = ref()
-        if loader is None:
-            return
-        try:
-            item: Any = ((epoch, step), loader.build_step(epoch, step))
-        except BaseException as exc:  # surfaced in the training thread by next_step
-            item = ((epoch, step), exc)
-        epoch, step = loader._after(epoch, step)
-        del loader
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
 
 
 def val_batches(
