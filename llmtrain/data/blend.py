@@ -34,7 +34,7 @@ from llmtrain.config import ConfigError
 from llmtrain.data.dataset import (
     Batch,
     EpochPermutation,
-    Prefetcher,
+    PrefetchedSteps,
     num_sequences,
     pack_windows,
     val_batches,
@@ -99,7 +99,7 @@ class Exhausted:
 Cursors = tuple[Cursor, ...]
 
 
-class MixtureLoader:
+class MixtureLoader(PrefetchedSteps):
     """This rank's micro-batches of a mixture, one optimizer step at a time, prefetched in a thread.
 
     The same interface as `dataset.TrainLoader` (next_step, close, state_dict, load_state_dict,
@@ -139,7 +139,6 @@ class MixtureLoader:
         self.seeds = [source_seed(seed, i) for i in range(len(parts))]
         self.cursors: Cursors = tuple(Cursor() for _ in parts)
         self._notices: list[str] = []
-        self._prefetcher: Prefetcher | None = None
 
     # ---- what one step holds
 
@@ -202,28 +201,13 @@ class MixtureLoader:
 
     def next_step(self) -> list[Batch]:
         """The grad_accum micro-batches ({input_ids, labels[, doc_ids]}: int64 [micro_batch, seq_len])."""
-        if self._prefetcher is None:
-            self._prefetcher = Prefetcher(self, MixtureLoader._produce, self.cursors, self.prefetch)
-        before, (batches, after, events) = self._prefetcher.get()
-        assert before == self.cursors, "prefetch out of order"
-        self.cursors = after
+        batches, self.cursors, events = self._prefetched(self.cursors)
         self._notices += [event.message() for event in events]
         return batches
 
     def _produce(self, cursors: Cursors) -> tuple[tuple[list[Batch], Cursors, list[Exhausted]], Cursors]:
         slots, after, events = self.plan_step(cursors)
         return (self.build_step(slots), after, events), after
-
-    def close(self) -> None:
-        """Stop the prefetch thread (it restarts on the next `next_step`)."""
-        if self._prefetcher is not None:
-            self._prefetcher.stop()
-            self._prefetcher = None
-
-    def __del__(self) -> None:
-        prefetcher = getattr(self, "_prefetcher", None)
-        if prefetcher is not None:
-            prefetcher.signal_stop()
 
     # ---- what the trainer reports
 

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from filelock import FileLock
 from tokenizers import Tokenizer
@@ -29,6 +29,8 @@ from llmtrain.data.shards import (
     read_manifest,
     token_dtype,
 )
+
+T = TypeVar("T")
 
 
 def data_cache_dir(data: DataConfig) -> Path:
@@ -49,18 +51,38 @@ def ensure_prepared(
     waits at the barrier, then the other ranks open what rank 0 wrote (and never build). Without a
     barrier each process takes a file lock in turn; the first builds, the rest find the work done.
     """
-    prepared: PreparedData | None = None
+    return built_once(
+        data,
+        _digest(data.source or "builtin")[:16],
+        build=lambda: _prepare_or_reuse(data, vocab_size, build=True, show_progress=show_progress),
+        reuse=lambda: _prepare_or_reuse(data, vocab_size, build=False, show_progress=False),
+        local_rank=local_rank,
+        barrier=barrier,
+    )
+
+
+def built_once(
+    data: DataConfig,
+    lock_name: str,
+    *,
+    build: Callable[[], T],
+    reuse: Callable[[], T],
+    local_rank: int,
+    barrier: Callable[[], None] | None,
+) -> T:
+    """`build` once per machine: by local rank 0 while the others wait at `barrier` and then `reuse`
+    what it wrote; without a barrier, by each process in turn under a file lock in the cache (the
+    first builds, the rest find the work done)."""
     if local_rank == 0 or barrier is None:
-        lock = data_cache_dir(data) / "locks" / f"{_digest(data.source or 'builtin')[:16]}.lock"
+        lock = data_cache_dir(data) / "locks" / f"{lock_name}.lock"
         lock.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock)):
-            prepared = _prepare_or_reuse(data, vocab_size, build=True, show_progress=show_progress)
-    if barrier is not None:
-        barrier()
-        if prepared is None:
-            prepared = _prepare_or_reuse(data, vocab_size, build=False, show_progress=False)
-    assert prepared is not None
-    return prepared
+            result = build()
+        if barrier is not None:
+            barrier()
+        return result
+    barrier()
+    return reuse()
 
 
 def _prepare_or_reuse(

@@ -163,7 +163,38 @@ def _prefetch(
                 continue
 
 
-class TrainLoader:
+class PrefetchedSteps:
+    """What both loaders share: their steps come from a Prefetcher over `_produce(position)`, `close`
+    stops it, and collecting the loader stops it too."""
+
+    prefetch: int
+    _prefetcher: Prefetcher | None = None
+
+    def _produce(self, position: Any) -> tuple[Any, Any]:
+        """(the step at `position`, the position after it); runs in the prefetch thread."""
+        raise NotImplementedError
+
+    def _prefetched(self, position: Any) -> Any:
+        """The step at `position`, which must be the next one the thread built."""
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(self, type(self)._produce, position, self.prefetch)
+        built_at, payload = self._prefetcher.get()
+        assert built_at == position, "prefetch out of order"
+        return payload
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it restarts on the next `next_step`)."""
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+
+    def __del__(self) -> None:
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.signal_stop()
+
+
+class TrainLoader(PrefetchedSteps):
     """This rank's micro-batches, one optimizer step at a time, prefetched in a background thread."""
 
     def __init__(
@@ -196,7 +227,6 @@ class TrainLoader:
                 "use more data or a smaller --global-batch / --seq-len"
             )
         self.epoch, self.step_in_epoch = 0, 0
-        self._prefetcher: Prefetcher | None = None
 
     # ---- what one step holds
 
@@ -223,27 +253,12 @@ class TrainLoader:
 
     def next_step(self) -> list[Batch]:
         """The grad_accum micro-batches ({input_ids, labels[, doc_ids]}: int64 [micro_batch, seq_len])."""
-        if self._prefetcher is None:
-            position = (self.epoch, self.step_in_epoch)
-            self._prefetcher = Prefetcher(self, TrainLoader._produce, position, self.prefetch)
-        position, payload = self._prefetcher.get()
-        assert position == (self.epoch, self.step_in_epoch), "prefetch out of order"
-        self.epoch, self.step_in_epoch = self._after(*position)
+        payload: list[Batch] = self._prefetched((self.epoch, self.step_in_epoch))
+        self.epoch, self.step_in_epoch = self._after(self.epoch, self.step_in_epoch)
         return payload
 
     def _produce(self, position: tuple[int, int]) -> tuple[list[Batch], tuple[int, int]]:
         return self.build_step(*position), self._after(*position)
-
-    def close(self) -> None:
-        """Stop the prefetch thread (it restarts on the next `next_step`)."""
-        if self._prefetcher is not None:
-            self._prefetcher.stop()
-            self._prefetcher = None
-
-    def __del__(self) -> None:
-        prefetcher = getattr(self, "_prefetcher", None)
-        if prefetcher is not None:
-            prefetcher.signal_stop()
 
     # ---- what the trainer reports (a mixture's loader has more to say: data.blend.MixtureLoader)
 

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
 from llmtrain.config import ConfigError, DataConfig, MixtureSource
 from llmtrain.data import cache, sources
 from llmtrain.data import tokenizer as toks
@@ -136,16 +134,15 @@ def _auto_tokenizer(
         for s in source_list
     ]
     digest = cache._digest("\n".join(fingerprints))[:16]
-    root = cache.data_cache_dir(data)
-    path = root / "tokenizers" / f"mixture-{digest}-v{vocab_size}.json"
-    if local_rank == 0 or barrier is None:
-        lock = root / "locks" / f"mixture-{digest}.lock"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(lock)):
-            if not path.is_file():
-                from llmtrain.data.prepare import train_mixture_tokenizer  # `datasets`: only to build
+    path = cache.data_cache_dir(data) / "tokenizers" / f"mixture-{digest}-v{vocab_size}.json"
 
-                train_mixture_tokenizer(data, source_list, vocab_size, path)
-    if barrier is not None:
-        barrier()
-    return path
+    def build() -> Path:
+        if not path.is_file():
+            from llmtrain.data.prepare import train_mixture_tokenizer  # `datasets`: only to build
+
+            train_mixture_tokenizer(data, source_list, vocab_size, path)
+        return path
+
+    return cache.built_once(
+        data, f"mixture-{digest}", build=build, reuse=lambda: path, local_rank=local_rank, barrier=barrier
+    )
