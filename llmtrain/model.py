@@ -10,9 +10,9 @@ This file imports no optimizer, data or DeepSpeed code: the trainer wraps the mo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -21,9 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig
-
-IGNORE_INDEX = -100  # labels with this value contribute nothing to the loss (F.cross_entropy's default)
-LOSS_CHUNK_ROWS = 1024  # token rows per output-projection + cross-entropy chunk
+from llmtrain.loss import OutputLayer, label_count
 
 CheckpointMode = Literal["none", "full", "selective"]
 
@@ -35,12 +33,53 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.compiled = False  # Llama.compile_elementwise: the expression through torch.compile
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if self.compiled:
+            return compiled("rms_norm")(x, self.weight, self.eps)
+        out: Tensor = _RMSNormFunction.apply(x, self.weight, self.eps)
+        return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm's expression (what _RMSNormFunction computes), for torch.compile to fuse with its backward."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with a hand-written backward: autograd of the forward's expression keeps the fp32 copy of
+    the input and the fp32 normalised output for backward and runs about twice the kernels; this keeps
+    the input and one fp32 number per row, and recomputes the normalised rows in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        x32 = x.to(_at_least_fp32(x.dtype))
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, rstd, weight)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        wide = _at_least_fp32(x.dtype)
+        normed = x.to(wide) * rstd  # [..., D] fp32
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            per_row = grad.to(wide) * normed.to(x.dtype)  # as autograd multiplies the cast-back rows
+            grad_weight = per_row.reshape(-1, per_row.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            grad_normed = (grad * weight).to(wide)
+            # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)) along the row
+            grad_x = (rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).to(
+                x.dtype
+            )
+        return grad_x, grad_weight, None
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 # ---------------------------------------------------------------- rotary position embeddings
@@ -91,7 +130,43 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, T, heads, Hd], cos/sin [B, T, Hd] -> x rotated by its position."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
-    return x * cos + rotate_half(x) * sin
+    out: Tensor = _Rope.apply(x, cos, sin)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin, with the rotation's transpose as backward: autograd of the
+    expression saves x and builds the gradient through chunk and cat's backward (zero-filled tensors and
+    copies); the rotation is linear in x, so backward needs only cos and sin."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return x * cos + rotate_half(x) * sin
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        rotated = grad * sin
+        g1, g2 = rotated.chunk(2, dim=-1)
+        return grad * cos + torch.cat((g2, -g1), dim=-1), None, None
+
+
+def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE's expression on q and k (what _Rope computes), for torch.compile."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@functools.cache
+def compiled(name: str) -> Callable[..., Any]:
+    """The torch.compile'd expression `name` (rms_norm, rope_pair, swiglu), made once per process."""
+    expressions: dict[str, Callable[..., Any]] = {
+        "rms_norm": rms_norm,
+        "rope_pair": rope_pair,
+        "swiglu": swiglu,
+    }
+    return torch.compile(expressions[name])
 
 
 def document_positions_and_mask(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,24 +191,62 @@ def document_positions_and_mask(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------- the transformer block
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
-    """F.scaled_dot_product_attention; on CPU in bf16/fp16, computed in fp32 and cast back.
+def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, attn_mask: Tensor | None = None) -> Tensor:
+    """F.scaled_dot_product_attention (GQA when k, v have fewer heads than q); on CPU in bf16/fp16 with
+    gradients, the flash kernel's forward in that precision and its backward in fp32.
 
-    CPU's flash-attention kernel is about twice as slow in bf16 as in fp32 (forward + backward, measured
-    with bench/bench_train.py's profile on a Xeon with AMX), while GPU kernels are fastest in bf16. The
-    fp32 computation sits inside a checkpoint, so backward keeps only the low-precision q, k, v (not fp32
-    copies, nor the output) and recomputes the cheap forward kernel.
+    CPU's flash-attention kernel runs its forward fastest in bf16 but its backward about 1.7x slower in
+    bf16 than in fp32 (bench/bench_train.py's profile, AVX-512-bf16 EPYC and AMX Xeon alike), while GPU
+    kernels are fastest in bf16 both ways.
     """
-    if q.device.type != "cpu" or q.dtype == torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    if not torch.is_grad_enabled():
-        return _sdpa_fp32(q, k, v, **kwargs)
-    out: Tensor = checkpoint(_sdpa_fp32, q, k, v, use_reentrant=False, **kwargs)
-    return out
+    if q.device.type == "cpu" and q.dtype != torch.float32 and torch.is_grad_enabled():
+        out: Tensor = _CpuFlashAttention.apply(q, k, v, is_causal, attn_mask)
+        return out
+    grouped = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=grouped
+    )
 
 
-def _sdpa_fp32(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+class _CpuFlashAttention(torch.autograd.Function):
+    """Low-precision forward, fp32 backward of CPU's flash attention; q [B, h, T, Hd], k, v [B, k, T, Hd].
+
+    Backward upcasts q, k, v, the output and its gradient and reuses the forward's fp32 log-sum-exp,
+    so nothing is recomputed; the gradients are cast back to the inputs' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, is_causal: bool, mask: Tensor | None) -> Tensor:
+        out, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=_additive_mask(mask, q.dtype)
+        )
+        ctx.save_for_backward(q, k, v, out, log_sum_exp, mask)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, out, log_sum_exp, mask = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.float(),
+            q.float(),
+            k.float(),
+            v.float(),
+            out.float(),
+            log_sum_exp,
+            0.0,
+            ctx.is_causal,
+            attn_mask=_additive_mask(mask, torch.float32),
+        )
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+        return dq, dk, dv, None, None
+
+
+def _additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A boolean mask (True: attend) as the additive one the flash kernels take: 0 or -inf."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -147,7 +260,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     if mask is None:
         # Plain causal training: no mask tensor at all, so the flash kernel applies. enable_gqa lets
         # the kernel share each K/V head across its query group without copying K/V H/K times.
-        y = sdpa(q, k, v, is_causal=True, enable_gqa=grouped)
+        y = sdpa(q, k, v, is_causal=True)
     else:
         # Document masking: an explicit boolean mask. The fused kernels that take a mask do not take
         # enable_gqa, so K/V are repeated here rather than falling back to the unfused math kernel.
@@ -175,6 +288,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
         self.ulysses: nn.Module | None = None
+        self.compiled = False  # Llama.compile_elementwise: RoPE through torch.compile
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
@@ -182,7 +296,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, h, Hd]
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
         v = self.v_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.compiled:
+            q, k = compiled("rope_pair")(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Ulysses: batch dim 0, RoPE already applied (None).
         y = attend(q, k, v, mask) if self.ulysses is None else self.ulysses(q, k, v, 0, None, mask)
         return self.o_proj(y.reshape(B, T, -1))  # [B, T, D]
@@ -196,9 +313,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.compiled = False  # Llama.compile_elementwise
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, F] -> [B, T, D]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(compiled("swiglu")(gate, up) if self.compiled else swiglu(gate, up))
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -250,8 +373,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.loss_chunk_rows = LOSS_CHUNK_ROWS
+        self.lm_head = OutputLayer(cfg.hidden_size, cfg.vocab_size)
         self.init_seed: int | None = None  # the seed init_weights uses when none is passed
         self._checkpointed: frozenset[int] = frozenset()
         self.sp_group: Any = None  # the sequence-parallel process group, when set_sequence_parallel ran
@@ -289,7 +411,7 @@ class Llama(nn.Module):
                 )
             return self.lm_head(h)  # [B, T, V]
         if self.sp_group is None:
-            return self.summed_loss(h, labels) / label_count(labels)
+            return self.lm_head(h, labels)
         return self._sequence_parallel_loss(h, labels)
 
     def hidden_states(
@@ -319,11 +441,6 @@ class Llama(nn.Module):
                 x = block(x, cos, sin, mask)
         return self.norm(x)
 
-    def summed_loss(self, h: Tensor, labels: Tensor) -> Tensor:
-        """Summed cross-entropy of lm_head(h) against labels (chunked_summed_loss through the module, so
-        ZeRO-3 gathers its weight)."""
-        return chunked_summed_loss(h, labels, self.lm_head, self.loss_chunk_rows)
-
     # ------------------------------------------------------------ sequence parallelism
 
     def set_sequence_parallel(self, group: Any) -> None:
@@ -348,7 +465,7 @@ class Llama(nn.Module):
         add up to the mean, and DeepSpeed sums their gradients (it averages over dp ranks only)."""
         import torch.distributed as dist
 
-        share = self.summed_loss(h, self._local_slice(labels)) / label_count(labels)
+        share = self.lm_head(h, self._local_slice(labels), label_count(labels))
         whole = share.detach().clone()
         dist.all_reduce(whole, group=self.sp_group)
         return _ValueWithGradientOf.apply(share, whole)
@@ -395,38 +512,14 @@ class Llama(nn.Module):
         for block in self.layers:
             block.compile(**compile_kwargs)
 
-
-def chunked_summed_loss(
-    h: Tensor, labels: Tensor, project: Callable[[Tensor], Tensor], chunk_rows: int = LOSS_CHUNK_ROWS
-) -> Tensor:
-    """Summed cross-entropy of project(h) (the output layer) against labels, a chunk of rows at a time.
-
-    The full fp32 logits tensor [B*T, V] is never materialised: each chunk's logits are computed,
-    upcast to fp32 and reduced to a summed loss inside torch.utils.checkpoint, so autograd keeps only
-    the chunk's hidden states and recomputes its logits in backward. Peak logits memory is
-    chunk_rows x V instead of B x T x V (a 128k vocabulary at 8 x 4096 tokens would be 16 GiB).
-    """
-    rows = h.reshape(-1, h.shape[-1])  # [N, D]
-    targets = labels.reshape(-1)  # [N]
-    chunk_loss = partial(_chunk_loss, project)
-    total = rows.new_zeros((), dtype=torch.float32)
-    for start in range(0, rows.shape[0], chunk_rows):
-        chunk = slice(start, start + chunk_rows)
-        if torch.is_grad_enabled():
-            total = total + checkpoint(chunk_loss, rows[chunk], targets[chunk], use_reentrant=False)
-        else:
-            total = total + chunk_loss(rows[chunk], targets[chunk])
-    return total
-
-
-def _chunk_loss(project: Callable[[Tensor], Tensor], rows: Tensor, targets: Tensor) -> Tensor:
-    logits = project(rows).float()  # [n, D] -> [n, V] fp32
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def label_count(labels: Tensor) -> Tensor:
-    # A batch whose labels are all ignored has loss 0 (and zero gradients) rather than NaN.
-    return (labels != IGNORE_INDEX).sum().clamp(min=1)
+    def compile_elementwise(self) -> None:
+        """torch.compile the elementwise parts only (RMSNorm, RoPE, SwiGLU's product), each fused with
+        its backward; matmuls, attention and the loss stay eager. For ZeRO 3: its per-module hooks
+        (gathering each Linear's weight) split a compiled block into dozens of graphs, which measured
+        slower than compiling the parts between the hooks."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, Attention)):
+                module.compiled = True
 
 
 class _ValueWithGradientOf(torch.autograd.Function):

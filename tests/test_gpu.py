@@ -79,15 +79,20 @@ def test_gpu_attention_uses_a_fused_kernel_without_mask() -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_chunked_loss_equals_plain_cross_entropy() -> None:
+def test_gpu_fused_loss_equals_plain_cross_entropy() -> None:
     cfg = ModelConfig(**PRESETS["debug"])
     model = build_model(cfg, device="cuda", seed=0)
-    model.loss_chunk_rows = 100
+    model.lm_head.chunk_rows = 100
     ids = torch.randint(0, cfg.vocab_size, (3, 130), device="cuda")
     labels = ids.roll(-1, 1)
-    chunked = model(ids, labels=labels)
+    fused = model(ids, labels=labels)
+    fused.backward()
+    fused_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
     plain = F.cross_entropy(model(ids).float().reshape(-1, cfg.vocab_size), labels.reshape(-1))
-    assert abs(chunked.item() - plain.item()) <= 1e-5
+    plain.backward()
+    assert abs(fused.item() - plain.item()) <= 1e-5
+    torch.testing.assert_close(fused_grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
 
 
 def _trainer_syncs(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:

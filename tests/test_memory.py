@@ -71,7 +71,7 @@ def test_parameter_tensors_add_up_to_each_presets_count() -> None:
 
 
 def test_loss_chunk_rows_match_the_model() -> None:
-    from llmtrain.model import LOSS_CHUNK_ROWS
+    from llmtrain.loss import LOSS_CHUNK_ROWS
 
     assert memory.LOSS_CHUNK_ROWS == LOSS_CHUNK_ROWS
 
@@ -120,8 +120,8 @@ def test_tp_splits_attention_and_mlp_inner_activations_not_the_residual_stream()
     # Halved: q, k, v, SDPA's output (bf16) and log-sum-exp (fp32 per head), gate, silu, up, product.
     heads = 2 * tokens * 4 * 4096 + 4 * tokens * 32
     assert one - two == (heads + 2 * 4 * tokens * 11008) // 2 == 247_726_080
-    # Whole on each tp rank: the two norms (fp32 input + bf16 output + rsqrt) and q/k/v's, MLP's inputs.
-    assert two - (heads + 2 * 4 * tokens * 11008) // 2 == 2 * tokens * (4096 * 6 + 4) + 2 * 2 * tokens * 4096
+    # Whole on each tp rank: the two norms (bf16 input + fp32 rsqrt) and q/k/v's, MLP's inputs.
+    assert two - (heads + 2 * 4 * tokens * 11008) // 2 == 2 * tokens * (4096 * 2 + 4) + 2 * 2 * tokens * 4096
 
 
 def test_sp_halves_the_per_token_activations_and_adds_the_all_to_all() -> None:
@@ -129,7 +129,7 @@ def test_sp_halves_the_per_token_activations_and_adds_the_all_to_all() -> None:
     one = formulas.layer_activation_bytes(model, 1, 4096, "bf16", False)
     two = formulas.layer_activation_bytes(model, 1, 4096, "bf16", False, sp=2)
     # Every saved tensor holds 2048 of the 4096 tokens; o_proj's input is the all-to-all's copy back.
-    assert two == one // 2 + 2 * 2048 * 4096 == 398_737_408
+    assert two == one // 2 + 2 * 2048 * 4096 == 331_628_544
     terms = {t.name: t for t in memory.estimate(_setup(**_7B, **{"parallel.sp": 2})).gpu}
     assert terms["Ulysses all-to-all buffers"].bytes == 2 * 2 * 2048 * (4096 + 4096)  # q, k, v in, out back
     assert terms["activations"].note.startswith("saved for backward, micro-batch 1 x 4096 / sp 2 tokens")

@@ -196,8 +196,8 @@ def test_model_states_match_the_real_engine_within_5_percent() -> None:
 def saved_activation_bytes(model: Any, ids: torch.Tensor) -> int:
     """Bytes autograd keeps for backward in one forward with loss (parameters excluded, storages once).
 
-    Checkpointed blocks and the loss chunks hand their inputs to torch.utils.checkpoint instead of
-    autograd; forward pre-hooks see those inputs, which stay alive until the recomputation.
+    Checkpointed blocks hand their inputs to torch.utils.checkpoint instead of autograd; forward pre-hooks
+    see those inputs, which stay alive until the recomputation. The fused loss's saved gradients count.
     """
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
@@ -214,7 +214,7 @@ def saved_activation_bytes(model: Any, ids: torch.Tensor) -> int:
                 if isinstance(arg, torch.Tensor):
                     keep(arg)
 
-    recomputed = [model.layers[i] for i in sorted(model._checkpointed)] + [model.lm_head]
+    recomputed = [model.layers[i] for i in sorted(model._checkpointed)]
     hooks = [module.register_forward_pre_hook(inputs_kept) for module in recomputed]
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):

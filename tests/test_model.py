@@ -11,7 +11,17 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmtrain.config import ModelConfig
-from llmtrain.model import IGNORE_INDEX, Block, Llama, build_model, checkpointed_blocks, num_parameters
+from llmtrain.loss import IGNORE_INDEX
+from llmtrain.model import (
+    Block,
+    Llama,
+    RMSNorm,
+    apply_rope,
+    build_model,
+    checkpointed_blocks,
+    num_parameters,
+    rotate_half,
+)
 from llmtrain.presets import PRESETS, count_parameters
 
 
@@ -159,34 +169,80 @@ def test_initialisation_statistics() -> None:
         assert abs(p.float().mean().item()) < 0.1 * expected, name
 
 
+# ---------------------------------------------------------------- hand-written backward passes
+
+
+def test_rmsnorm_and_rope_backward_pass_gradcheck_in_float64() -> None:
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(6, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(6, generator=g, dtype=torch.float64) + 0.5)
+    x = torch.randn(3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = norm.weight.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,)), (x, weight)
+    )
+    cos, sin = torch.randn(2, 1, 3, 8, generator=g, dtype=torch.float64).unbind(0)  # [B, T, Hd]
+    q = torch.randn(1, 3, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)  # [B, T, heads, Hd]
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (q,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_and_rope_equal_autograd_of_their_expressions(dtype: torch.dtype) -> None:
+    """Forward bit for bit, gradients within rounding of autograd through Hugging Face's expressions."""
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    x = torch.randn(2, 16, 64, generator=g).to(dtype).requires_grad_()
+    cos, sin = torch.randn(2, 2, 16, 32, generator=g).to(dtype).unbind(0)
+    up = torch.randn(2, 16, 64, generator=g).to(dtype)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        q = normed.view(2, 16, 2, 32)
+        return q * cos[:, :, None] + rotate_half(q) * sin[:, :, None]
+
+    ours = apply_rope(norm(x).view(2, 16, 2, 32), cos, sin)
+    theirs = reference(x)
+    assert torch.equal(ours, theirs)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    grads = torch.autograd.grad((ours.reshape(2, 16, 64) * up).sum(), (x, norm.weight))
+    want = torch.autograd.grad((theirs.reshape(2, 16, 64) * up).sum(), (x, norm.weight))
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, **tol)
+
+
 # ---------------------------------------------------------------- loss
 
 
-def test_chunked_loss_equals_plain_cross_entropy_and_gradients_match() -> None:
-    cfg = small()
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fused_loss_equals_plain_cross_entropy_and_gradients_match(tied: bool) -> None:
+    cfg = small(tie_word_embeddings=tied)
     model = build_model(cfg, seed=0)
-    model.loss_chunk_rows = 7  # many chunks, the last one ragged
+    model.lm_head.chunk_rows = 7  # many chunks, the last one ragged
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (3, 29), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (3, 29), generator=g)
     labels[0, :5] = IGNORE_INDEX
     labels[2, -3:] = IGNORE_INDEX
 
-    chunked = model(ids, labels=labels)
-    chunked.backward()
-    chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    fused = model(ids, labels=labels)
+    fused.backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
 
     logits = model(ids)
     plain = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), labels.reshape(-1), ignore_index=-100)
     plain.backward()
 
-    assert chunked.dtype == torch.float32 and chunked.ndim == 0
-    assert abs(chunked.item() - plain.item()) <= 1e-6
-    assert len(chunked_grads) == len(list(model.parameters()))
+    assert fused.dtype == torch.float32 and fused.ndim == 0
+    assert abs(fused.item() - plain.item()) <= 1e-6
+    assert len(fused_grads) == len(list(model.parameters()))
     for name, p in model.named_parameters():
         assert p.grad is not None
-        torch.testing.assert_close(chunked_grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(fused_grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_loss_of_fully_ignored_labels_is_zero_not_nan() -> None:

@@ -2,7 +2,7 @@
 
 The stages are the model's own modules, not a second model: `EmbedStage` holds the embedding,
 `BlockStage` is model.Block, `NormStage` the final RMSNorm and `HeadStage` the output layer; the loss
-is model.chunked_summed_loss (fp32 logits a chunk of rows at a time). Parameter names inside each stage
+is llmtrain.loss's fused output layer and cross-entropy. Parameter names inside each stage
 are model.py's, so stages.layer_prefix maps a stage's state dict to the one-process model's, which is
 how weights are initialised (`init_stage_weights`: the same values a one-process build draws) and
 how checkpoints are exported.
@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 from torch import Tensor, nn
@@ -36,15 +35,14 @@ from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, BeforeUpdate, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import DeepSpeedEngine, param_groups
 from llmtrain.engine.pipe_schedules import SCHEDULES, AgreeOnUpdate
+from llmtrain.loss import OutputLayer, linear_cross_entropy
 from llmtrain.model import (
     Block,
     RMSNorm,
     build_model,
     checkpointed_blocks,
-    chunked_summed_loss,
     document_positions_and_mask,
     init_parameter,
-    label_count,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -122,28 +120,26 @@ class NormStage(_Stage, nn.Module):
         return self.norm(inputs[0]), inputs[2]
 
 
-def _mean_loss(inputs: tuple[Tensor, Tensor], project: Callable[[Tensor], Tensor]) -> Tensor:
-    h, labels = inputs
-    return chunked_summed_loss(h, labels, project) / label_count(labels)
-
-
 class HeadStage(_Stage, nn.Module):
-    """The untied output layer: (hidden states, labels) -> the mean cross-entropy, a chunk of rows at a
-    time (model.chunked_summed_loss), so the whole logits tensor is never built."""
+    """The untied output layer: (hidden states, labels) -> the mean cross-entropy, fused with the
+    projection (llmtrain.loss), so the whole logits tensor is never built."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
         with torch.device("meta"):
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = OutputLayer(cfg.hidden_size, cfg.vocab_size)
         _allocated(self, device)
 
     def forward(self, inputs: tuple[Tensor, Tensor]) -> Tensor:
-        return _mean_loss(inputs, self.lm_head)
+        h, labels = inputs
+        loss: Tensor = self.lm_head(h, labels)
+        return loss
 
 
 def _tied_head(embedding: EmbedStage, inputs: tuple[Tensor, Tensor]) -> Tensor:
     """The tied output layer: the loss projected with the last stage's copy of the embedding."""
-    return _mean_loss(inputs, lambda rows: F.linear(rows, embedding.embed_tokens.weight))
+    h, labels = inputs
+    return linear_cross_entropy(h, embedding.embed_tokens.weight, labels)
 
 
 class LlamaPipeline(PipelineModule):

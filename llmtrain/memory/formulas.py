@@ -10,7 +10,8 @@ saved-tensor hooks in tests/test_memory_calibration.py):
   gradients once overlap_comm's hooks reduce them; stage 3 partitions everything. ZeRO-1/2/3 clone an fp32
   master partition even in fp32 training (only stage 0 steps the model's own fp32 weights).
 * Activations are the bytes autograd saves for backward in llmtrain.model, per layer, per checkpointing
-  mode; logits are computed in chunks of LOSS_CHUNK_ROWS rows, so only one chunk's fp32 logits exist.
+  mode; logits are computed in chunks of LOSS_CHUNK_ROWS rows, so only one chunk's fp32 logits exist, and
+  the fused loss holds the output weight's gradient (fp32 sum) from the end of forward.
 * Tensor parallelism (tp, AutoTP) leaves each rank 1/tp of every layer's q, k, v, o, gate, up and down
   matrices (the embedding, lm_head and norms stay whole), and ZeRO partitions what a rank holds over the
   data-parallel ranks only. Sequence parallelism (sp, Ulysses) replicates the parameters over sp ranks and
@@ -55,7 +56,7 @@ from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.stages import bubble_fraction
 from llmtrain.presets import count_parameters
 
-# llmtrain.model.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.
+# llmtrain.loss.LOSS_CHUNK_ROWS (not imported: that would import torch); a test keeps them equal.
 LOSS_CHUNK_ROWS = 1024
 # Per GPU, whatever the model: the CUDA context with PyTorch's kernels loaded (~0.5 GiB) plus cuBLAS and
 # NCCL workspaces. An assumption, not derived; `make gpu-check` measures the rest against it.
@@ -551,8 +552,8 @@ def layer_activation_bytes(
     """Bytes one un-checkpointed block saves for backward on one rank (the tensors autograd keeps,
     deduplicated).
 
-    RMSNorm (x2): the fp32 upcast input and the normalised output before the weight (4 + b bytes per
-    element) plus the fp32 rsqrt per token. Attention: the normed input to q/k/v, the RoPE-rotated q and k,
+    RMSNorm (x2): its input (b bytes per element; backward recomputes the normalised rows from it) plus
+    the fp32 rsqrt per token. Attention: the normed input to q/k/v, the RoPE-rotated q and k,
     v, SDPA's output (which o_proj reads as a view) and its fp32 log-sum-exp per head; RoPE's cos/sin are
     shared by all layers. GQA: k and v have kv_heads x head_dim columns (SDPA's enable_gqa does not copy
     them); with document masking they are repeated to all heads. SwiGLU: the normed input, gate, silu(gate),
@@ -566,7 +567,7 @@ def layer_activation_bytes(
     """
     b, d, tokens = _bytes_of(precision), model.hidden_size, batch * seq // sp
     kv = d if doc_mask else model.num_key_value_heads * model.head_width
-    norms = 2 * (tokens * d * (FP32 + b) + FP32 * tokens)
+    norms = 2 * (tokens * d * b + FP32 * tokens)
     heads = (b * tokens * (2 * d + 2 * kv) + FP32 * tokens * model.num_attention_heads) // tp
     regathered = b * tokens * d if sp > 1 else 0
     attention = b * tokens * d + heads + regathered
@@ -621,8 +622,11 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     ids = 8 * whole if span.embedding else 0  # the embedding's int64 indices
     head = 0
     if span.head:
-        final_norm = tokens * m.hidden_size * (FP32 + b) + FP32 * tokens
-        head = final_norm + residual + 8  # + the loss chunks' input, kept for recomputation; token count
+        final_norm = tokens * m.hidden_size * b + FP32 * tokens
+        # The fused loss keeps its gradients from forward to backward: for the final hidden states (a
+        # residual stream's size) and for the output weight (lm_head is whole on every tp rank); + the
+        # token count.
+        head = final_norm + residual + b * m.vocab_size * m.hidden_size + 8
     return blocks + rope + mask + ids + head + pipeline_io_bytes(setup, span)
 
 
@@ -662,12 +666,16 @@ def backward_working_bytes(setup: Setup) -> int:
 
 
 def loss_chunk_bytes(setup: Setup) -> int:
-    """One loss chunk at a time: its fp32 logits, log-softmax and their gradient (12 B x rows x vocab),
-    plus the gradient of the final hidden states that the chunks accumulate into (lm_head is whole on
-    every tp rank, so tp leaves this as is)."""
-    m, tokens = setup.cfg.model, rank_tokens(setup)
+    """The fused output layer + cross-entropy (llmtrain.loss) while it runs, besides the gradients it
+    keeps (counted with the activations): one chunk's fp32 logits (overwritten by their gradient) and
+    that gradient's low-precision copy, and the output weight's gradient summed over the chunks in fp32
+    next to one chunk's low-precision product (or, at the end, the cast). lm_head is whole on every tp
+    rank, so tp leaves this as is."""
+    m, tokens, lp = setup.cfg.model, rank_tokens(setup), setup.lp_bytes
     rows = min(LOSS_CHUNK_ROWS, tokens)
-    return 3 * FP32 * rows * m.vocab_size + setup.lp_bytes * tokens * m.hidden_size
+    low_precision_copy = lp if lp < FP32 else 0  # in fp32 the logits are their own gradient buffer
+    chunk = (FP32 + low_precision_copy) * rows * m.vocab_size
+    return chunk + (FP32 + low_precision_copy) * m.vocab_size * m.hidden_size
 
 
 def ulysses_buffer_bytes(setup: Setup) -> int:
@@ -864,7 +872,7 @@ def _activation_terms(setup: Setup) -> list[Term]:
             "logits and loss",
             loss_chunk_bytes(setup),
             "transient",
-            f"cross-entropy in chunks of {LOSS_CHUNK_ROWS} rows: fp32 logits never whole"
+            f"fused with lm_head, chunks of {LOSS_CHUNK_ROWS} rows: fp32 logits never whole"
             + ("; last stage only" if lay.pp > 1 else ""),
         ),
     ]
