@@ -100,6 +100,7 @@ def _config(setup: Setup) -> Any:
             "train.micro_batch": setup.micro_batch,  # global batch: micro-batch x 2, no accumulation
             "train.seq_len": setup.seq_len,
             "train.steps": 1000,  # the run's length, which the LR schedule reads: more than the bench takes
+            "train.compile": False,  # eager everywhere: the default compiles only some of the setups
             "schedule.name": "constant",
             "schedule.warmup_steps": 0,
             "launch.gpus": WORLD_SIZE,

@@ -82,6 +82,7 @@ def _config(setup: Setup) -> Any:
             "train.seq_len": setup.seq_len,
             "parallel.tp": setup.tp,
             "parallel.sp": setup.sp,
+            "train.compile": False,  # eager everywhere: the default compiles only some of the setups
             "launch.gpus": WORLD_SIZE,
         }
     )

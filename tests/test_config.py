@@ -149,3 +149,36 @@ def test_config_file_errors(tmp_path: Path) -> None:
 
 def test_every_key_has_help_text() -> None:
     assert all(c.key_help().values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "compiles"),
+    [
+        ({}, True),  # the default run: 1000 steps, DeepSpeed, no tp/sp/pp
+        ({"train.steps": c.COMPILE_MIN_STEPS}, True),
+        ({"train.steps": c.COMPILE_MIN_STEPS - 1}, False),  # a short experiment starts at once
+        ({"train.tokens": 1_000_000, "train.micro_batch": 8, "train.seq_len": 256}, True),  # 489 steps
+        ({"parallel.tp": 2, "launch.gpus": 2}, False),
+        ({"parallel.sp": 2, "launch.gpus": 2, "zero.stage": 3}, False),
+        ({"parallel.pp": 2, "launch.gpus": 2, "zero.stage": 1}, False),
+        ({"train.engine": "fsdp2", "zero.stage": 3}, False),
+        ({"train.steps": 10, "train.compile": True}, True),  # said explicitly: always as said
+        ({"train.compile": False}, False),
+    ],
+)
+def test_blocks_compile_by_default_on_long_plain_deepspeed_runs(
+    flags: dict[str, object], compiles: bool
+) -> None:
+    cfg = c.resolve(flags=flags)
+    assert cfg.compiles is compiles
+
+
+def test_a_fresh_run_pins_the_compile_decision_in_its_config(tmp_path: Path) -> None:
+    """config.yaml records true/false, so a resume with another --steps keeps the run's kernels."""
+    from llmtrain.run import prepare
+
+    cfg = c.resolve(flags={"train.steps": 300, "run_dir": str(tmp_path / "run")})
+    assert cfg.train.compile is None
+    prepare.derive(cfg)
+    assert cfg.train.compile is True
+    assert yaml.safe_load(c.dump_yaml(cfg))["train"]["compile"] is True

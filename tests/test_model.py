@@ -383,3 +383,18 @@ def test_compiled_blocks_trace_without_graph_breaks_and_match_eager() -> None:
 def test_inductor_compiled_blocks_match_eager() -> None:
     # The real `--compile` path (Inductor, C++ kernels via gcc): 1-2 minutes on a cold cache with 2 cores.
     check_compiled_blocks_match_eager()
+
+
+@pytest.mark.slow
+def test_compiled_elementwise_parts_match_eager_in_fp32_and_bf16() -> None:
+    """ZeRO 3's --compile: RMSNorm, RoPE and SwiGLU's product through Inductor, the rest eager."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        cfg = small()
+        model = build_model(cfg, seed=0).to(dtype)
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        eager_loss, eager_grads = loss_and_grads(model, ids)
+        model.compile_elementwise()
+        compiled_loss, compiled_grads = loss_and_grads(model, ids)
+        assert abs(compiled_loss - eager_loss) <= tol * max(1.0, abs(eager_loss)), dtype
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=10 * tol, atol=tol / 10, msg=name)

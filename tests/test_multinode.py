@@ -108,8 +108,11 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
             nodes.env(run_env(faults=f"hang@1:{HANG_STEP}", WANDB_API_KEY=FAKE_SECRET)),
         ),
         # Far too long to finish: stopped with SIGTERM to the command the user started, as a preemption.
+        # Eager, as the other jobs: a run this long would compile its blocks by default.
         "stopped": start(
-            _train(dirs["stopped"], *_two_nodes(hostfile, "pdsh"), steps=100_000), tmp / "stopped.log", env
+            _train(dirs["stopped"], *_two_nodes(hostfile, "pdsh"), "--no-compile", steps=100_000),
+            tmp / "stopped.log",
+            env,
         ),
     }
     pdsh_dir = dirs["pdsh"]

@@ -40,7 +40,9 @@ def build_engine(
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     if cfg.parallel.sp > 1:
         model.set_sequence_parallel(mpu.get_sequence_parallel_group())
-    if cfg.train.compile:
+    if cfg.compiles and cfg.zero.stage == 3:
+        model.compile_elementwise()  # whole compiled blocks break into pieces at ZeRO 3's hooks
+    elif cfg.compiles:
         model.compile_blocks()
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     with held_stdout():  # the bf16 optimizer prints memory reports

@@ -42,5 +42,5 @@ def build(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
             "foreach": False,
         },
         "activation_checkpointing": cfg.train.activation_checkpointing,
-        "compile_blocks": cfg.train.compile,
+        "compile_blocks": cfg.compiles,
     }

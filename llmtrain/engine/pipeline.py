@@ -190,7 +190,7 @@ def build_pipeline(cfg: TrainConfig, device: torch.device) -> LlamaPipeline:
         init_stage_weights(pipe, cfg.model, cfg.train.seed)
     else:
         pretrained.stage_fill(stage_parameters(pipe), pretrained.open_weights(cfg.train.init_from))
-    if cfg.train.compile:
+    if cfg.compiles:
         for module in pipe.modules():
             if isinstance(module, BlockStage):
                 module.compile()

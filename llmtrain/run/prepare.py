@@ -109,13 +109,15 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
 def derive(cfg: TrainConfig) -> None:
     """Fix the derived numbers in the config, so that a resume on another world size keeps them: the
     global batch (from the launcher's world size when inside one: torchrun --nnodes 2 runs
-    `train --gpus 1` twice) and the warmup; then check the schedule against the run's length."""
+    `train --gpus 1` twice), the warmup and whether blocks are compiled; then check the schedule against
+    the run's length."""
     world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else cfg.world_size
     data_parallel = cfg.layout(world_size).dp
     cfg.train.global_batch = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, data_parallel)[
         0
     ]
     cfg.schedule.warmup_steps = cfg.warmup_steps
+    cfg.train.compile = cfg.compiles  # a resumed run keeps its kernels, whatever its new --steps
     schedule.check_schedule(cfg)
 
 

@@ -340,6 +340,8 @@ class MetricsLogger:
         self._start_tokens = tokens
         self._last_time = now
         self._last_tokens = tokens
+        self._last_step = step
+        self._seconds_per_step: float | None = None
         if self.enabled and self.interactive and self._progress is None and step < self.total_steps:
             self._progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),
@@ -370,7 +372,9 @@ class MetricsLogger:
         now = time.perf_counter()
         interval = now - self._last_time
         tokens_per_sec = (tokens - self._last_tokens) / interval if interval > 0 else 0.0
-        self._last_time, self._last_tokens = now, tokens
+        if step > self._last_step:
+            self._seconds_per_step = interval / (step - self._last_step)
+        self._last_time, self._last_tokens, self._last_step = now, tokens, step
         record: dict[str, Any] = {
             "step": step,
             "loss": _clean(float(loss)),
@@ -438,10 +442,11 @@ class MetricsLogger:
 
     # ---- console
     def _eta(self, step: int) -> float | None:
-        done = step - self._start_step
-        if done <= 0:
+        """At the pace of the steps since the previous record: the first steps' warm-up (torch.compile,
+        the data cache) does not stretch the estimate for the rest of the run."""
+        if self._seconds_per_step is None:
             return None
-        return (time.perf_counter() - self._start_time) / done * max(self.total_steps - step, 0)
+        return self._seconds_per_step * max(self.total_steps - step, 0)
 
     def format_step(self, record: dict[str, Any]) -> str:
         """The compact machine-readable line of a training record."""

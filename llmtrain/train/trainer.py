@@ -124,6 +124,9 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
         first = prepared[0].prepared if isinstance(prepared, list) else prepared  # one tokenizer for all
         rundir.copy_tokenizer(run_dir, first.tokenizer_path, cfg.data.tokenizer)
     engine = build_engine(cfg, world, settings)
+    if world.is_main and cfg.compiles:
+        print("compiling the transformer blocks (torch.compile): the first step takes longer; --no-compile "
+              "skips it", flush=True)  # fmt: skip
     if world.is_main and choice is None and cfg.train.init_from is not None:
         source = init_source.parse(cfg.train.init_from).describe()
         print(f"weights from {source}; optimizer and schedule start fresh", flush=True)
