@@ -4,10 +4,11 @@ Comparisons (each setup in its own worker process: DeepSpeed's state is global):
 1. llmtrain's Trainer (its real step: LR, forward, agreement all-reduce, stability guard, backward, step)
    against Hugging Face transformers' `LlamaForCausalLM` (attn_implementation "sdpa", built from
    `export.hf_config` of the same ModelConfig) trained under DeepSpeed with the same DeepSpeed config
-   (`dsconfig.build`), batch, bf16 and ZeRO stage, at ZeRO 1 and ZeRO 3. llmtrain also with `--compile`
-   at ZeRO 1.
-2. llmtrain (ZeRO 0, fp32) against a bare PyTorch loop (same model class, torch.optim.AdamW, gradient
-   clipping, no DeepSpeed): the framework's overhead, with identical arithmetic on both sides.
+   (`dsconfig.build`), batch, bf16 and ZeRO stage, at ZeRO 1, ZeRO 3 and ZeRO 3 with CPU offload, on two
+   shapes (SHAPES). llmtrain runs with the settings `llmtrain train` chooses by default for such a run
+   (a 1000-step run without tp/sp/pp: compiled blocks, TrainConfig.compiles).
+2. llmtrain (ZeRO 0, fp32, eager) against a bare PyTorch loop (same model class, torch.optim.AdamW,
+   gradient clipping, no DeepSpeed): the framework's overhead, with identical arithmetic on both sides.
 3. The memory one training step needs above what is resident before it (weights, optimizer states,
    gradient buffers): peak RSS of the step minus RSS before it on CPU (after returning freed heap to
    the OS), `torch.cuda.max_memory_allocated` minus `memory_allocated` on GPU.
@@ -35,12 +36,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The shape: big enough that a 2-core CPU shows real differences, small enough for ~5 minutes in all.
+# The shapes: big enough that a 2-core CPU shows real differences, small enough for ~10 minutes in all.
+# "tiny" is the default preset (vocabulary 8,192 against a width of 256: the output layer and loss are a
+# large share of the step); "vocab512" has a vocabulary of 512, where the transformer blocks are nearly all.
 PRESET = "tiny"
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "vocab512": {"model.vocab_size": 512, "model.num_hidden_layers": 4},
+}
 SEQ_LEN = 256
 MICRO_BATCH = 8
-WARMUP_STEPS = 2
-MEASURED_STEPS = 6
+WARMUP_STEPS = 3
+MEASURED_STEPS = 20
 N_BATCHES = 4  # distinct random batches, cycled
 # Intra-op threads per worker. One by default: on a shared 2-core machine two OpenMP threads per process
 # made steps about 4x slower and erratic (a descheduled thread stalls every parallel region's barrier).
@@ -57,7 +64,9 @@ class Setup:
     kind: str  # "llmtrain", "hf" or "bare"
     stage: int
     precision: str
-    compile: bool = False
+    compile: bool | None = None  # None: llmtrain's default (TrainConfig.compiles)
+    offload: str = "none"
+    shape: str = "tiny"
     preset: str = PRESET
     seq_len: int = SEQ_LEN
     micro_batch: int = MICRO_BATCH
@@ -65,7 +74,7 @@ class Setup:
     @property
     def label(self) -> str:
         names = {
-            "llmtrain": "llmtrain" + (" --compile" if self.compile else ""),
+            "llmtrain": "llmtrain" + {None: "", True: " --compile", False: " --no-compile"}[self.compile],
             "hf": "HF LlamaForCausalLM (sdpa) + DeepSpeed",
             "bare": "bare PyTorch loop (AdamW, no DeepSpeed)",
         }
@@ -86,6 +95,8 @@ def _config(setup: Setup) -> Any:
             "train.micro_batch": setup.micro_batch,
             "train.seq_len": setup.seq_len,
             "train.compile": setup.compile,
+            "zero.offload": setup.offload,
+            **SHAPES[setup.shape],
             "train.steps": 1000,
             # DeepSpeed's lr for the HF setup and the bare loop's: a constant 3e-4, no warm-up.
             "schedule.name": "constant",
@@ -295,7 +306,8 @@ def worker(setup: Setup) -> None:
 class Worker:
     def __init__(self, setup: Setup, log_dir: Path) -> None:
         self.setup = setup
-        self.log_path = log_dir / f"{setup.kind}-z{setup.stage}-{setup.precision}-c{int(setup.compile)}.log"
+        name = f"{setup.shape}-{setup.kind}-z{setup.stage}-{setup.offload}-{setup.precision}-compile-{setup.compile}"
+        self.log_path = log_dir / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.bench_train", "--worker", json.dumps(asdict(setup))],
@@ -408,37 +420,46 @@ def _print_group(title: str, group: list[Worker], baseline: Worker) -> dict[str,
     return out
 
 
+# ZeRO stage and offload of each comparison against HF transformers + DeepSpeed, on every shape.
+ZERO_SETUPS = ((1, "none"), (3, "none"), (3, "cpu"))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """`python -m bench` calls this with no arguments: the defaults."""
     import argparse
 
     from bench.ranks import write_result
     from llmtrain import rundir
-    from llmtrain.presets import PRESETS, count_parameters
 
     parser = argparse.ArgumentParser(prog="python -m bench.bench_train", description=__doc__)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON results go")
     out = parser.parse_args(argv or []).out
-    params = count_parameters(**PRESETS[PRESET])
     print(
-        f"{PRESET} preset ({params / 1e6:.1f}M parameters), seq_len {SEQ_LEN}, micro-batch {MICRO_BATCH}, "
-        f"1 process, {THREADS} thread(s) (BENCH_THREADS); each setup in its own process, steps interleaved; "
-        f"median tokens/s over {MEASURED_STEPS} steps after {WARMUP_STEPS} warm-up"
+        f"seq_len {SEQ_LEN}, micro-batch {MICRO_BATCH}, bf16, 1 process, {THREADS} thread(s) (BENCH_THREADS); "
+        f"each setup in its own process, steps interleaved; median tokens/s over {MEASURED_STEPS} steps after "
+        f"{WARMUP_STEPS} warm-up; llmtrain with the settings `llmtrain train` uses by default"
     )
     started = time.perf_counter()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
         log_dir = Path(tmp)
-        for stage, with_compile in ((1, True), (3, False)):
-            setups = [Setup("hf", stage, "bf16"), Setup("llmtrain", stage, "bf16")]
-            if with_compile:
-                setups.append(Setup("llmtrain", stage, "bf16", compile=True))
-            group = compare(setups, log_dir)
-            title = f"ZeRO {stage}, bf16, against HF transformers + DeepSpeed (same DeepSpeed config):"
-            results[f"zero{stage}"] = _print_group(title, group, baseline=group[0])
-        group = compare([Setup("bare", 0, "fp32"), Setup("llmtrain", 0, "fp32")], log_dir)
+        for shape in SHAPES:
+            print(f"{shape}: {_describe(shape)}")
+            for stage, offload in ZERO_SETUPS:
+                setups = [
+                    Setup(kind, stage, "bf16", offload=offload, shape=shape) for kind in ("hf", "llmtrain")
+                ]
+                group = compare(setups, log_dir)
+                title = (
+                    f"  ZeRO {stage}{' + CPU offload' if offload == 'cpu' else ''}, against HF + DeepSpeed:"
+                )
+                results[f"{shape}/zero{stage}{'-offload' if offload == 'cpu' else ''}"] = _print_group(
+                    title, group, baseline=group[0]
+                )
+        # eager: the same kernels as the bare loop, so that every step's loss must be equal
+        group = compare([Setup("bare", 0, "fp32"), Setup("llmtrain", 0, "fp32", compile=False)], log_dir)
         results["overhead"] = _print_group(
-            "framework overhead, fp32 (identical arithmetic), against a bare PyTorch loop:",
+            "framework overhead, tiny, fp32 (identical arithmetic), against a bare PyTorch loop:",
             group,
             baseline=group[0],
         )
@@ -449,20 +470,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["overhead"]["overhead_fraction"] = overhead
     result = {
         "settings": {
-            "preset": PRESET,
+            "shapes": {shape: _describe(shape) for shape in SHAPES},
             "seq_len": SEQ_LEN,
             "micro_batch": MICRO_BATCH,
             "warmup_steps": WARMUP_STEPS,
             "measured_steps": MEASURED_STEPS,
             "threads": THREADS,
         },
-        "parameters": params,
         "machine": rundir.environment(1),
         **results,
         "seconds": time.perf_counter() - started,
     }
     write_result(result, out)
     return result
+
+
+def _describe(shape: str) -> str:
+    from llmtrain.presets import count_parameters
+
+    m = _config(Setup("llmtrain", 1, "bf16", shape=shape)).model
+    params = count_parameters(**asdict(m))
+    return (
+        f"{params / 1e6:.1f}M parameters: hidden {m.hidden_size}, {m.num_hidden_layers} layers, "
+        f"vocabulary {m.vocab_size:,}"
+    )
 
 
 OVERHEAD_LOSS_RTOL = 1e-5
