@@ -250,3 +250,25 @@ def test_resume_auto_waits_for_the_holder_then_resumes_its_checkpoint(tmp_path: 
     after = metrics(run_dir)
     assert sorted(after) == list(range(1, STEPS + 1))
     assert {step: after[step] for step in before} == before  # continued from step 5: steps 1-5 kept as logged
+
+
+def _start_as_this_rank_decided(rank: int, world_size: int, run_dir: str) -> tuple[float, bool]:
+    from llmtrain import config
+    from llmtrain.parallel.distributed import World
+    from llmtrain.train.trainer import rank_zeros_start
+
+    # Rank 0 found a checkpoint to resume (its saved config: lr 1e-3); rank 1 found none yet and
+    # prepared a fresh run from the flags (lr 5e-4).
+    lr, resume = (1e-3, True) if rank == 0 else (5e-4, False)
+    cfg = config.resolve(flags={"preset": "debug", "optim.lr": lr, "run_dir": run_dir})
+    agreed, agreed_resume = rank_zeros_start(cfg, resume, World(rank, rank, world_size, "cpu"))
+    return agreed.optim.lr, agreed_resume
+
+
+def test_under_an_outside_launcher_every_rank_starts_as_rank_0_decided(tmp_path: Path) -> None:
+    """torchrun/srun start `train --resume auto` on every rank; only rank 0 waits for the lock, so the
+    ranks' own decisions may differ: rank 0's is the one every rank follows."""
+    from dist import run_distributed
+
+    results = run_distributed(_start_as_this_rank_decided, 2, str(tmp_path / "run"), timeout=120)
+    assert results == [(1e-3, True), (1e-3, True)]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from llmtrain import checkpoint, init_source, rundir
-from llmtrain.config import TrainConfig, to_dict
+from llmtrain.config import TrainConfig, from_dict, to_dict
 from llmtrain.data.blend import MixtureLoader, mixture_val_batches, weighted_loss
 from llmtrain.data.cache import ensure_prepared
 from llmtrain.data.dataset import TrainLoader, val_batches
@@ -86,6 +86,7 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
     failed = True
     trainer: Trainer | None = None
     try:
+        cfg, resume = rank_zeros_start(cfg, resume, world)
         trainer = build_trainer(cfg, world, run_dir, resume)
         summary = trainer.train()
         failed = False
@@ -103,6 +104,21 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
         # After a failure another rank may be waiting in a collective for us: no barrier, the launcher
         # ends it.
         distributed.shutdown(barrier=not failed)
+
+
+def rank_zeros_start(cfg: TrainConfig, resume: bool, world: World) -> tuple[TrainConfig, bool]:
+    """Every rank starts as rank 0 decided: under an outside launcher (torchrun, srun) each rank prepared
+    the run itself, and with `--resume auto` only rank 0 waited for the run directory's lock, so another
+    rank may have found no checkpoint yet (and a fresh config) where rank 0 found one to resume."""
+    if world.world_size == 1:
+        return cfg, resume
+    import torch.distributed as dist
+
+    decision: list[Any] = [to_dict(cfg), resume]
+    dist.broadcast_object_list(decision, src=0)
+    if world.rank == 0:
+        return cfg, resume
+    return from_dict(decision[0], where="rank 0's config"), bool(decision[1])
 
 
 def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -> Trainer:
