@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -327,6 +328,10 @@ DEFAULT_STEPS = 1000
 # ---------------------------------------------------------------- key paths and types
 
 
+# The key tables below are fixed by the dataclasses: built once per process. Every flag of the CLI asks
+# for them while `llmtrain.cli` is imported, and rebuilding them each time (get_type_hints over every
+# section) cost seconds on each start of every `llmtrain` process, workers included.
+@functools.cache
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(TrainConfig)
     return {
@@ -338,6 +343,11 @@ def _section_types() -> dict[str, type]:
 
 def all_keys() -> dict[str, Any]:
     """Every settable dotted key with its type annotation."""
+    return dict(_all_keys())
+
+
+@functools.cache
+def _all_keys() -> dict[str, Any]:
     keys: dict[str, Any] = {}
     top_hints = typing.get_type_hints(TrainConfig)
     sections = _section_types()
@@ -353,6 +363,11 @@ def all_keys() -> dict[str, Any]:
 
 def key_help() -> dict[str, str]:
     """Help text of every key, from the field metadata."""
+    return dict(_key_help())
+
+
+@functools.cache
+def _key_help() -> dict[str, str]:
     out: dict[str, str] = {}
     for f in dataclasses.fields(TrainConfig):
         if f.name in _section_types():

@@ -72,7 +72,7 @@ def test_precision_sections() -> None:
         dsconfig.build(c.resolve(flags={"train.precision": "fp16"}), 1, accelerator="cpu")
 
 
-def _initialize_with(rank: int, world_size: int, ds: dict, nvme_dir: str) -> dict:
+def _initialize_with(ds: dict, nvme_dir: str) -> dict:
     import deepspeed
     import torch
 
@@ -92,18 +92,39 @@ def _initialize_with(rank: int, world_size: int, ds: dict, nvme_dir: str) -> dic
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-    return {
+    result = {
         "stage": engine.zero_optimization_stage(),
         "steps": engine.global_steps,
         "optimizer": type(optimizer).__name__,
     }
+    engine.destroy()  # the next configuration builds its engine in this process
+    return result
+
+
+def _initialize_each(rank: int, world_size: int, configs: dict[str, dict], root: str) -> dict[str, dict]:
+    """Each reference config through deepspeed.initialize and one optimizer step, one after another in
+    one process: a process per config would spend most of its time importing DeepSpeed."""
+    results = {}
+    for name, ds in configs.items():
+        nvme_dir = Path(root) / name
+        nvme_dir.mkdir()
+        results[name] = _initialize_with(ds, str(nvme_dir))
+    return results
+
+
+@pytest.fixture(scope="module")
+def accepted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    configs = {path.stem: json.loads(path.read_text()) for path in DS_CONFIGS}
+    root = tmp_path_factory.mktemp("accepted")
+    [results] = run_distributed(_initialize_each, 1, configs, str(root), timeout=900)
+    return results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.stem)
-def test_deepspeed_accepts_reference_config_on_cpu(path: Path, tmp_path: Path) -> None:
+def test_deepspeed_accepts_reference_config_on_cpu(path: Path, accepted: dict[str, dict]) -> None:
     ds = json.loads(path.read_text())
-    [result] = run_distributed(_initialize_with, 1, ds, str(tmp_path), timeout=600)
+    result = accepted[path.stem]
     assert result["stage"] == ds["zero_optimization"]["stage"]
     assert result["steps"] == 1  # one optimizer step after gradient_accumulation_steps micro-steps
 
@@ -112,6 +133,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "llmtrain", *args], capture_output=True, text=True, timeout=120
     )
+
+
+def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI's entry function in this process, for what needs no process of its own (a subprocess
+    would spend its time importing): exit code, stdout and stderr as `_cli` gives them."""
+    from llmtrain.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["llmtrain", *args], code, out, err)
 
 
 def test_config_command_prints_stage3_cpu_offload_json() -> None:
@@ -123,8 +155,8 @@ def test_config_command_prints_stage3_cpu_offload_json() -> None:
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
 
 
-def test_config_command_shows_the_tensor_parallel_layout() -> None:
-    out = _cli("config", "--preset", "debug", "--gpus", "4", "--tp", "2", "--micro-batch", "2")
+def test_config_command_shows_the_tensor_parallel_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _in_process(capsys, "config", "--preset", "debug", "--gpus", "4", "--tp", "2", "--micro-batch", "2")
     assert out.returncode == 0, out.stderr
     ds = json.loads(out.stdout)  # stdout is the JSON alone
     tp = ds["tensor_parallel"]
@@ -172,18 +204,21 @@ def test_zero3_with_sp_reduces_by_all_reduce_in_buckets_holding_the_largest_para
         (["--preset", "huge"], "--preset: unknown preset 'huge'"),
     ],
 )
-def test_config_command_rejects_bad_input_with_one_line(args: list[str], needle: str) -> None:
-    out = _cli("config", *args)
+def test_config_command_rejects_bad_input_with_one_line(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _in_process(capsys, "config", *args)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
 
 
-def test_config_command_under_fsdp2_prints_the_fsdp2_plan_not_a_deepspeed_config() -> None:
-    out = _cli(
-        "config", "--preset", "debug", "--engine", "fsdp2", "--zero", "2", "--offload", "cpu", "--gpus", "2"
-    )
+def test_config_command_under_fsdp2_prints_the_fsdp2_plan_not_a_deepspeed_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fsdp2 = ["--engine", "fsdp2", "--zero", "2", "--offload", "cpu", "--gpus", "2"]
+    out = _in_process(capsys, "config", "--preset", "debug", *fsdp2)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert "zero_optimization" not in plan and plan["engine"] == "fsdp2"

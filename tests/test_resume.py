@@ -1,6 +1,6 @@
 """Exact resume through the real command line: `python -m llmtrain train / resume` in subprocesses.
 
-Every configuration runs one uninterrupted reference (a module-scoped fixture) that the interrupted runs
+Every configuration runs one uninterrupted reference (trained once per module) that the interrupted runs
 are compared with, value by value: loss, lr and grad_norm of every step must be bitwise equal (floats
 compared with ==). World size 2 goes through `--gpus 2`, i.e. DeepSpeed's launcher in its own session.
 
@@ -9,7 +9,7 @@ compared with ==). World size 2 goes through `--gpus 2`, i.e. DeepSpeed's launch
   fp32, 2 processes, ZeRO 2 SIGTERM to the parent (forwarded to the workers) -> `resume`
   bf16, 2 processes, ZeRO 2 SIGKILL of the whole process tree at seeded random moments, one inside a
                             checkpoint write -> `train --resume auto` after each
-  ZeRO 0, 1, 2, 3, ZeRO 2 + CPU offload, FSDP2
+  ZeRO 0, 1, 3, ZeRO 2 + CPU offload, FSDP2
                             SIGKILL mid-step, two steps past a checkpoint -> `resume`
   2 -> 1 processes          universal conversion; same global samples, continuous loss
   1 -> 2 processes          ZeRO 1, 2 (+ CPU offload), 3 through the universal checkpoint; FSDP2 through DCP
@@ -317,76 +317,61 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("resume")
 
 
-def _reference(root: Path, setup: Setup) -> Path:
-    run_dir = root / f"ref_{setup.name}"
-    run_cli(["train", *setup.flags(run_dir)], root / f"ref_{setup.name}.log", faults=setup.faults)
-    assert sorted(metrics(run_dir)) == list(range(1, setup.steps + 1))
-    return run_dir
+ONE_PROCESS = [FP32_1, BF16_1, ZERO0_1, ZERO3_1, OFFLOAD_1, FSDP2_1]
+
+
+class References:
+    """The uninterrupted run of each configuration, trained on first use and kept for the module.
+
+    A one-process run keeps at most one core busy and spends most of its time starting up, so the first
+    one asked for trains every one-process reference, two at a time: a 2-core machine is never half idle.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.trained: dict[str, Path] = {}
+
+    def __call__(self, setup: Setup) -> Path:
+        if setup.name not in self.trained:
+            todo = [s for s in ONE_PROCESS if s.name not in self.trained] if setup.gpus == 1 else [setup]
+            for first in range(0, len(todo), 2):
+                self._train_together(todo[first : first + 2])
+        return self.trained[setup.name]
+
+    def _train_together(self, setups: list[Setup]) -> None:
+        started = {
+            setup: Cli(
+                ["train", *setup.flags(self.root / f"ref_{setup.name}")],
+                self.root / f"ref_{setup.name}.log",
+                setup.faults or None,
+            )
+            for setup in setups
+        }
+        try:
+            for setup, cli in started.items():
+                rc = cli.wait()
+                assert rc == 0, f"reference {setup.name} exited {rc}:\n{cli.tail()}"
+                run_dir = self.root / f"ref_{setup.name}"
+                assert sorted(metrics(run_dir)) == list(range(1, setup.steps + 1))
+                self.trained[setup.name] = run_dir
+        finally:
+            for cli in started.values():
+                if cli.running():
+                    kill(cli)
 
 
 @pytest.fixture(scope="module")
-def ref_fp32_1(root: Path) -> Path:
-    return _reference(root, FP32_1)
+def references(root: Path) -> References:
+    return References(root)
 
 
-@pytest.fixture(scope="module")
-def ref_bf16_1(root: Path) -> Path:
-    return _reference(root, BF16_1)
-
-
-@pytest.fixture(scope="module")
-def ref_fp32_2(root: Path) -> Path:
-    return _reference(root, FP32_2)
-
-
-@pytest.fixture(scope="module")
-def ref_bf16_2(root: Path) -> Path:
-    return _reference(root, BF16_2)
-
-
-@pytest.fixture(scope="module")
-def ref_zero0_1(root: Path) -> Path:
-    return _reference(root, ZERO0_1)
-
-
-@pytest.fixture(scope="module")
-def ref_zero3_1(root: Path) -> Path:
-    return _reference(root, ZERO3_1)
-
-
-@pytest.fixture(scope="module")
-def ref_offload_1(root: Path) -> Path:
-    return _reference(root, OFFLOAD_1)
-
-
-@pytest.fixture(scope="module")
-def ref_fsdp2_2(root: Path) -> Path:
-    return _reference(root, FSDP2_2)
-
-
-@pytest.fixture(scope="module")
-def ref_fsdp2_1(root: Path) -> Path:
-    return _reference(root, FSDP2_1)
-
-
-ONE_PROCESS_REFERENCES = {
-    "ref_fp32_1": FP32_1,
-    "ref_bf16_1": BF16_1,
-    "ref_zero0_1": ZERO0_1,
-    "ref_zero3_1": ZERO3_1,
-    "ref_offload_1": OFFLOAD_1,
-    "ref_fsdp2_1": FSDP2_1,
-}
-
-
-@pytest.mark.parametrize("ref_name", list(ONE_PROCESS_REFERENCES))
+@pytest.mark.parametrize("setup", ONE_PROCESS, ids=lambda setup: f"ref_{setup.name}")
 def test_one_process_prints_nothing_of_deepspeed_s_before_its_first_step(
-    root: Path, ref_name: str, request: pytest.FixtureRequest
+    root: Path, setup: Setup, references: References
 ) -> None:
     """Every ZeRO stage, CPU offload and FSDP2: no accelerator warning, op-builder line or bf16 memory
     report (`MA 0.38 GB ...`, `CPU Virtual Memory: ...`) ahead of the progress, on stdout or stderr."""
-    request.getfixturevalue(ref_name)
-    setup = ONE_PROCESS_REFERENCES[ref_name]
+    references(setup)
     output = (root / f"ref_{setup.name}.log").read_text(errors="replace")  # stdout and stderr together
     assert foreign_lines(start_lines(output)) == [], output[:3000]
 
@@ -394,7 +379,8 @@ def test_one_process_prints_nothing_of_deepspeed_s_before_its_first_step(
 # ---------------------------------------------------------------- 1. a crash: exit fault, then resume
 
 
-def test_crash_then_resume_is_bitwise_exact_fp32_one_process(root: Path, ref_fp32_1: Path) -> None:
+def test_crash_then_resume_is_bitwise_exact_fp32_one_process(root: Path, references: References) -> None:
+    ref_fp32_1 = references(FP32_1)
     run_dir = root / "crash_fp32_ws1"
     # The process dies right after computing step 6 (0-based 5): steps 1-5 logged, step 4 saved.
     faults = f"{FP32_1.faults};exit@0:5"
@@ -455,16 +441,16 @@ def preempted_fsdp2_2(root: Path) -> Preempted:
 
 
 PREEMPTED = [
-    ("preempted_bf16_1", "ref_bf16_1", BF16_1),
-    ("preempted_fp32_2", "ref_fp32_2", FP32_2),
-    ("preempted_fsdp2_2", "ref_fsdp2_2", FSDP2_2),
+    ("preempted_bf16_1", BF16_1),
+    ("preempted_fp32_2", FP32_2),
+    ("preempted_fsdp2_2", FSDP2_2),
 ]
 PREEMPTED_IDS = ["bf16_one_process", "fp32_two_processes", "fsdp2_two_processes"]
 
 
-@pytest.mark.parametrize("name, ref_name, setup", PREEMPTED, ids=PREEMPTED_IDS)
+@pytest.mark.parametrize("name, setup", PREEMPTED, ids=PREEMPTED_IDS)
 def test_sigterm_finishes_the_step_saves_and_exits_0(
-    request: pytest.FixtureRequest, name: str, ref_name: str, setup: Setup
+    request: pytest.FixtureRequest, name: str, setup: Setup
 ) -> None:
     run: Preempted = request.getfixturevalue(name)
     assert run.stop_rc == 0, run.first_run.tail()
@@ -472,12 +458,12 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(
     assert run.latest_after_stop == f"step_{run.stopped_at:08d}", "latest must name the step it stopped at"
 
 
-@pytest.mark.parametrize("name, ref_name, setup", PREEMPTED, ids=PREEMPTED_IDS)
+@pytest.mark.parametrize("name, setup", PREEMPTED, ids=PREEMPTED_IDS)
 def test_sigterm_resume_is_bitwise_exact(
-    request: pytest.FixtureRequest, name: str, ref_name: str, setup: Setup
+    request: pytest.FixtureRequest, references: References, name: str, setup: Setup
 ) -> None:
     run: Preempted = request.getfixturevalue(name)
-    reference: Path = request.getfixturevalue(ref_name)
+    reference = references(setup)
     assert_bitwise(reference, run.run_dir, range(run.stopped_at + 1, setup.steps + 1))
     assert_same_final_state(reference, run.run_dir, setup.steps)
 
@@ -561,8 +547,9 @@ def killed_bf16_2(root: Path) -> tuple[Path, list[Kill], Cli]:
 
 
 def test_sigkill_at_random_moments_then_resume_ends_bitwise_exact(
-    killed_bf16_2: tuple[Path, list[Kill], Cli], ref_bf16_2: Path
+    killed_bf16_2: tuple[Path, list[Kill], Cli], references: References
 ) -> None:
+    ref_bf16_2 = references(BF16_2)
     run_dir, kills, _ = killed_bf16_2
     assert any(k.inside_save for k in kills), f"no kill landed inside a checkpoint write: {kills}"
     # The file is truncated to the checkpoint on every resume, so at the end every step is the reference's.
@@ -581,23 +568,17 @@ def test_sigkill_at_random_moments_then_resume_ends_bitwise_exact(
 
 
 @pytest.mark.parametrize(
-    "ref_name, setup",
-    [
-        ("ref_zero0_1", ZERO0_1),
-        ("ref_fp32_1", FP32_1),
-        ("ref_fp32_2", FP32_2),
-        ("ref_zero3_1", ZERO3_1),
-        ("ref_offload_1", OFFLOAD_1),
-        ("ref_fsdp2_2", FSDP2_2),
-    ],
-    ids=["zero0", "zero1", "zero2_two_processes", "zero3", "zero2_cpu_offload", "fsdp2_two_processes"],
+    "setup",
+    [ZERO0_1, FP32_1, ZERO3_1, OFFLOAD_1, FSDP2_2],
+    ids=["zero0", "zero1", "zero3", "zero2_cpu_offload", "fsdp2_two_processes"],
 )
 def test_sigkill_mid_step_then_resume_is_bitwise_exact(
-    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup
+    root: Path, references: References, setup: Setup
 ) -> None:
     """Killed inside the step two past a checkpoint (rank 0 held there, so the kill cannot miss a fast
-    run): the two steps logged since the checkpoint are dropped and computed again, to the same bits."""
-    reference: Path = request.getfixturevalue(ref_name)
+    run): the two steps logged since the checkpoint are dropped and computed again, to the same bits.
+    DeepSpeed's ZeRO 2 on two processes goes through the kills at random moments above."""
+    reference = references(setup)
     setup = replace(setup, port=free_port())
     run_dir = root / f"killed_{setup.name}"
     held_at = setup.save_every + 2  # 0-based: the step after the second logged past the checkpoint
@@ -667,14 +648,14 @@ def _assert_adam_groups_intact(tag_dir: Path, updates: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "ref_name, setup, from_step, rel",
-    [("ref_bf16_2", BF16_2, 8, 1e-4), ("ref_fp32_2", FP32_2, 10, 1e-4), ("ref_fsdp2_2", FSDP2_2, 8, 1e-5)],
+    "setup, from_step, rel",
+    [(BF16_2, 8, 1e-4), (FP32_2, 10, 1e-4), (FSDP2_2, 8, 1e-5)],
     ids=["deepspeed_bf16", "deepspeed_fp32", "fsdp2_fp32"],
 )
 def test_saved_on_two_processes_resumed_on_one(
-    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup, from_step: int, rel: float
+    root: Path, references: References, setup: Setup, from_step: int, rel: float
 ) -> None:
-    reference: Path = request.getfixturevalue(ref_name)
+    reference = references(setup)
     run_dir = copy_run(reference, root / f"two_to_one_{setup.name}", keep_up_to=from_step)
     run_cli(["resume", run_dir, "--gpus", "1"], root / f"two_to_one_{setup.name}.log")
     # DeepSpeed's ZeRO shards go through the universal format; FSDP2's DCP reshards by itself.
@@ -684,21 +665,14 @@ def test_saved_on_two_processes_resumed_on_one(
 
 
 @pytest.mark.parametrize(
-    "ref_name, setup",
-    [
-        ("ref_fp32_1", FP32_1),
-        ("ref_offload_1", OFFLOAD_1),
-        ("ref_zero3_1", ZERO3_1),
-        ("ref_fsdp2_1", FSDP2_1),
-    ],
+    "setup",
+    [FP32_1, OFFLOAD_1, ZERO3_1, FSDP2_1],
     ids=["zero1", "zero2_cpu_offload", "zero3", "fsdp2"],
 )
-def test_saved_on_one_process_resumed_on_two(
-    root: Path, request: pytest.FixtureRequest, ref_name: str, setup: Setup
-) -> None:
+def test_saved_on_one_process_resumed_on_two(root: Path, references: References, setup: Setup) -> None:
     """Growing the job: DeepSpeed's ZeRO shards of one process go through the universal format, FSDP2's
     DCP reshards by itself; the two processes continue from the same global sample."""
-    reference: Path = request.getfixturevalue(ref_name)
+    reference = references(setup)
     from_step = setup.save_every
     run_dir = copy_run(reference, root / f"one_to_two_{setup.name}", keep_up_to=from_step)
     run_cli(
@@ -713,7 +687,10 @@ def test_saved_on_one_process_resumed_on_two(
 # ---------------------------------------------------------------- 6. damaged and unsafe checkpoints
 
 
-def test_truncated_shard_is_named_and_the_previous_checkpoint_used(root: Path, ref_fp32_1: Path) -> None:
+def test_truncated_shard_is_named_and_the_previous_checkpoint_used(
+    root: Path, references: References
+) -> None:
+    ref_fp32_1 = references(FP32_1)
     run_dir = copy_run(ref_fp32_1, root / "truncated")
     newest = run_dir / "checkpoints" / f"step_{FP32_1.steps:08d}"
     shard = next(newest.glob("*optim_states.pt"))
@@ -734,9 +711,9 @@ def test_truncated_shard_is_named_and_the_previous_checkpoint_used(root: Path, r
 
 @pytest.mark.parametrize("how", ["dotdot", "symlink"])
 def test_latest_pointing_outside_the_checkpoint_directory_is_refused(
-    root: Path, ref_fp32_1: Path, how: str
+    root: Path, references: References, how: str
 ) -> None:
-    run_dir = copy_run(ref_fp32_1, root / f"outside_{how}")
+    run_dir = copy_run(references(FP32_1), root / f"outside_{how}")
     ckpts = run_dir / "checkpoints"
     elsewhere = root / f"elsewhere_{how}"
     shutil.copytree(ckpts / "step_00000004", elsewhere / "step_00000009")
@@ -750,10 +727,10 @@ def test_latest_pointing_outside_the_checkpoint_directory_is_refused(
     assert not (run_dir / "checkpoints" / "step_00000009_universal").exists()
 
 
-def test_checkpoint_holding_code_is_refused_and_never_runs(root: Path, ref_fp32_1: Path) -> None:
+def test_checkpoint_holding_code_is_refused_and_never_runs(root: Path, references: References) -> None:
     import torch
 
-    run_dir = copy_run(ref_fp32_1, root / "pickled")
+    run_dir = copy_run(references(FP32_1), root / "pickled")
     marker = root / "payload_ran"
     tag_dir = run_dir / "checkpoints" / f"step_{FP32_1.steps:08d}"
     target = tag_dir / "mp_rank_00_model_states.pt"
@@ -767,12 +744,12 @@ def test_checkpoint_holding_code_is_refused_and_never_runs(root: Path, ref_fp32_
 
 
 def test_fsdp2_checkpoint_metadata_holding_code_is_refused_and_never_runs(
-    root: Path, ref_fsdp2_1: Path
+    root: Path, references: References
 ) -> None:
     """DCP reads its `.metadata` with a plain pickle.load: llmtrain's reader admits DCP's records only."""
     import pickle
 
-    run_dir = copy_run(ref_fsdp2_1, root / "pickled_fsdp2")
+    run_dir = copy_run(references(FSDP2_1), root / "pickled_fsdp2")
     marker = root / "fsdp2_payload_ran"
     tag_dir = run_dir / "checkpoints" / f"step_{FSDP2_1.steps:08d}"
     target = tag_dir / ".metadata"
@@ -795,10 +772,10 @@ def test_resume_of_a_directory_that_is_not_a_run(root: Path, capsys: pytest.Capt
 
 
 def test_resume_of_a_run_without_a_complete_checkpoint(
-    root: Path, ref_fp32_1: Path, capsys: pytest.CaptureFixture[str]
+    root: Path, references: References, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Only a save that never committed (its staging directory): nothing to resume.
-    run_dir = copy_run(ref_fp32_1, root / "no_checkpoint")
+    run_dir = copy_run(references(FP32_1), root / "no_checkpoint")
     ckpts = run_dir / "checkpoints"
     staging = ckpts / ".incoming"
     staging.mkdir(exist_ok=True)  # saves leave it behind, empty
@@ -814,9 +791,9 @@ def test_resume_of_a_run_without_a_complete_checkpoint(
 
 
 def test_resume_with_an_incompatible_change_shows_the_diff(
-    root: Path, ref_fp32_1: Path, capsys: pytest.CaptureFixture[str]
+    root: Path, references: References, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run_dir = copy_run(ref_fp32_1, root / "incompatible")
+    run_dir = copy_run(references(FP32_1), root / "incompatible")
     before = (run_dir / "config.yaml").read_text()
     line = refused_in_process(capsys, ["resume", run_dir, "--seq-len", "64"])
     assert "train.seq_len: 32 -> 64" in line, line
