@@ -21,7 +21,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import sources
@@ -64,6 +64,129 @@ def _streaming_val(indices: np.ndarray, val_fraction: float, seed: int) -> np.nd
     return (keyed >> np.uint64(11)).astype(np.float64) / float(1 << 53) < val_fraction
 
 
+# ---------------------------------------------------------------- encoding documents
+
+# The pattern the byte-level pre-tokenizer cuts text with (GPT-2's), with its classes \s (less the space,
+# which the pattern names itself), \p{L} and \p{N} left as slots for the characters the tokenizer puts
+# in them. Python's `re` and the tokenizer's regex engine both take the first alternative that matches.
+_BYTE_LEVEL_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^ {S}{L}{N}]+|[ {S}]+(?![^ {S}])|[ {S}]+"
+# A character between two letters, two digits and two marks: how many pieces the tokenizer cuts each
+# into tells which class its pattern gives the character.
+_PROBES = ("a{}a", "0{}0", "!{}!")
+_CLASS_BY_PIECES: dict[tuple[int, ...], str] = {
+    (1, 3, 3): "L",
+    (3, 1, 3): "N",
+    (3, 3, 1): "O",
+    (3, 3, 3): "S",
+}
+_SELF_TEST = [
+    "it's we'll I'd they're you've I'm don't 'S ''s x's  'll 're've'm'd't",
+    "a  b   c\t\td\n\n  e \n\r\n\x0b\x0c\x1c\x1f\x7f\x00 end   ",
+    "12345 x1y2 3.14 !!! ... ?!? --> ''' \"\"\" <|endoftext|> <|pad|>",
+    "naïve café 東京 ١٢٣ Ⅻ ½ \u00a0nbsp \u2003em x\u3000y \u0085 e\u0301 🙂",
+]
+PIECE_CACHE = 1 << 18  # distinct pieces remembered (tens of MB a process), before the memory starts over
+
+
+def _splits_like_byte_level(tok: Tokenizer) -> bool:
+    """Does `tok` cut text with the byte-level pattern alone and encode each piece on its own? No
+    normalizer, no prefix space, no added token that is not special (special ones are read as text),
+    no truncation or padding: then a document's ids are its pieces' ids, in order."""
+    pre = tok.pre_tokenizer
+    return (
+        isinstance(pre, pre_tokenizers.ByteLevel)
+        and pre.use_regex
+        and not pre.add_prefix_space
+        and tok.normalizer is None
+        and tok.truncation is None
+        and tok.padding is None
+        and tok.encode_special_tokens
+        and all(token.special for token in tok.get_added_tokens_decoder().values())
+    )
+
+
+def _char_class(chars: set[str]) -> str:
+    return "".join(f"\\U{ord(c):08x}" for c in sorted(chars))
+
+
+class _DocumentEncoder:
+    """The ids `toks.encode_documents` gives, for a third of the work with tokenizers that cut text with
+    the byte-level pattern alone (llmtrain's own): Python's `re` cuts the pieces, and each distinct
+    piece is encoded once by the tokenizer and remembered.
+
+    The pattern's classes hold what the tokenizer says: each character met is classified by how the
+    tokenizer cuts it (`_PROBES`), so both sides use the same Unicode tables. A document with a
+    character that fits no class, and every document of another kind of tokenizer, is encoded by the
+    tokenizer; so is everything when a sample of awkward text (`_SELF_TEST`) comes out differently.
+    """
+
+    def __init__(self, tok: Tokenizer, prefix: list[int]) -> None:
+        self.tok, self.prefix = tok, prefix
+        self.pieces: dict[str, list[int]] = {}
+        self.classes: dict[str, set[str]] = {name: set() for name in "LNSO"}
+        self.unclassified: set[str] = set()
+        self.known: set[str] = set()  # every character classified (or not classifiable) so far
+        self.split = self.unknown = re.compile("")  # built by _learn
+        self.refuse: re.Pattern[str] | None = None  # matches an unclassifiable character
+        self.fast = _splits_like_byte_level(tok)
+        if self.fast:
+            self._learn({chr(i) for i in range(128)} - {" "})
+            self.fast = all(self.classes[name] for name in "LNS") and self._agrees(_SELF_TEST)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids: `prefix`, then the text's (the separator after it is the caller's)."""
+        if not self.fast:
+            return toks.encode_documents(self.tok, texts, self.prefix)
+        self._learn(
+            set().union(*(t for t in texts if not t.isascii() and self.unknown.search(t))) - self.known
+        )
+        cut = [None if self._refused(t) else self.split.findall(t) for t in texts]
+        self._remember(set(chain.from_iterable(pieces for pieces in cut if pieces is not None)))
+        refused = [t for t, pieces in zip(texts, cut, strict=True) if pieces is None]
+        slow = iter(toks.encode_documents(self.tok, refused, self.prefix) if refused else [])
+        ids = self.pieces.__getitem__
+        return [next(slow) if p is None else [*self.prefix, *chain.from_iterable(map(ids, p))] for p in cut]
+
+    def _refused(self, text: str) -> bool:
+        return self.refuse is not None and self.refuse.search(text) is not None
+
+    def _remember(self, pieces: set[str]) -> None:
+        """Encode the pieces not remembered yet, in one batch."""
+        missing = pieces.difference(self.pieces)
+        if len(self.pieces) + len(missing) > PIECE_CACHE:
+            self.pieces.clear()
+            missing = pieces
+        order = list(missing)
+        for piece, enc in zip(order, self.tok.encode_batch(order, add_special_tokens=False), strict=True):
+            self.pieces[piece] = enc.ids
+
+    def _learn(self, chars: set[str]) -> None:
+        """Classify `chars` and build the patterns that use the classes again."""
+        if not chars:
+            return
+        for c in chars:
+            name = self._classify(c)
+            (self.unclassified if name is None else self.classes[name]).add(c)
+        self.known = {" ", *self.unclassified, *chain.from_iterable(self.classes.values())}
+        letters, digits, spaces = (_char_class(self.classes[name]) for name in "LNS")
+        self.split = re.compile(_BYTE_LEVEL_SPLIT.format(L=letters, N=digits, S=spaces))
+        self.unknown = re.compile(f"[^{_char_class(self.known)}]")
+        self.refuse = re.compile(f"[{_char_class(self.unclassified)}]") if self.unclassified else None
+
+    def _classify(self, c: str) -> str | None:
+        try:
+            pieces = tuple(len(self.tok.pre_tokenizer.pre_tokenize_str(p.format(c))) for p in _PROBES)
+        except Exception:  # one the tokenizer cannot take (a lone surrogate): it fails on the document too
+            return None
+        return _CLASS_BY_PIECES.get(pieces)
+
+    def _agrees(self, texts: list[str]) -> bool:
+        try:
+            return self.encode(texts) == toks.encode_documents(self.tok, texts, self.prefix)
+        except Exception:
+            return False
+
+
 # ---------------------------------------------------------------- tokenizing one piece
 
 
@@ -93,12 +216,16 @@ class _ShardWriter:
         self.documents = dict.fromkeys(SPLITS, 0)
         self.tokens = dict.fromkeys(SPLITS, 0)
 
-    def write(self, split: str, docs: list[list[int]], eot: int) -> None:
-        count = sum(len(d) for d in docs) + len(docs)
-        flat = np.fromiter(chain.from_iterable(chain(d, (eot,)) for d in docs), dtype=self.dtype, count=count)
-        flat.tofile(self.files[split])
+    def write(self, split: str, docs: list[list[int]], eot: int) -> int:
+        """Append the documents, each followed by `eot`; the number of tokens written."""
+        flat: list[int] = []
+        for doc in docs:  # one list, then one conversion: faster than numpy iterating nested iterators
+            flat += doc
+            flat.append(eot)
+        np.array(flat, dtype=self.dtype).tofile(self.files[split])
         self.documents[split] += len(docs)
-        self.tokens[split] += count
+        self.tokens[split] += len(flat)
+        return len(flat)
 
     def close(self) -> None:
         for fh in self.files.values():
@@ -107,21 +234,29 @@ class _ShardWriter:
             fh.close()
 
 
-def _encode_into(writer: _ShardWriter, tok: Tokenizer, eot: int, texts: list[str], is_val: np.ndarray) -> int:
-    ids = toks.encode_documents(tok, texts, toks.start_ids(tok, eot))
+def _encode_into(
+    writer: _ShardWriter, encoder: _DocumentEncoder, eot: int, texts: list[str], is_val: np.ndarray
+) -> int:
+    """Encode `texts` into their splits' shards; the number of tokens other than the separators."""
+    docs = encoder.encode(texts)
+    text_tokens = 0
     for split, pick in (("train", ~is_val), ("val", is_val)):
-        chosen = [d for d, keep in zip(ids, pick, strict=True) if keep]
+        chosen = [d for d, keep in zip(docs, pick, strict=True) if keep]
         if chosen:
-            writer.write(split, chosen, eot)
-    return sum(len(d) for d in ids)
+            text_tokens += writer.write(split, chosen, eot) - len(chosen)
+    return text_tokens
 
 
 def _tokenize_piece(
-    ds: datasets.Dataset, piece: _Piece, mask: np.ndarray, tok_json: str, eot: int, dtype: str, out_dir: str
+    ds: datasets.Dataset,
+    piece: _Piece,
+    mask: np.ndarray,
+    encoder: _DocumentEncoder,
+    eot: int,
+    dtype: str,
+    out_dir: str,
 ) -> _PieceResult:
-    """Worker body (also run inline): encode documents [start, stop) in batches into one shard pair."""
-    tok = Tokenizer.from_str(tok_json)
-    tok.encode_special_tokens = True
+    """Encode documents [start, stop) in batches into one shard pair (inline, or in a worker)."""
     writer = _ShardWriter(Path(out_dir), piece.index, dtype)
     text_tokens = 0
     try:
@@ -129,15 +264,33 @@ def _tokenize_piece(
         offset = piece.start
         for batch in part.iter(batch_size=BATCH_DOCS):
             texts = batch["text"]
-            text_tokens += _encode_into(writer, tok, eot, texts, mask[offset : offset + len(texts)])
+            text_tokens += _encode_into(writer, encoder, eot, texts, mask[offset : offset + len(texts)])
             offset += len(texts)
     finally:
         writer.close()
     return _PieceResult(piece.index, writer.documents, writer.tokens, text_tokens)
 
 
-def _worker_init() -> None:
+def _encoder(tok_json: str, prefix: list[int]) -> _DocumentEncoder:
+    tok = Tokenizer.from_str(tok_json)
+    tok.encode_special_tokens = True  # document text is text, special tokens' spellings included
+    return _DocumentEncoder(tok, prefix)
+
+
+_worker_encoder: _DocumentEncoder | None = None  # a worker process's, built once: its pieces outlive a shard
+
+
+def _worker_init(tok_json: str, prefix: list[int]) -> None:
+    global _worker_encoder
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no nested threads
+    _worker_encoder = _encoder(tok_json, prefix)
+
+
+def _tokenize_piece_in_worker(
+    ds: datasets.Dataset, piece: _Piece, mask: np.ndarray, eot: int, dtype: str, out_dir: str
+) -> _PieceResult:
+    assert _worker_encoder is not None, "_worker_init builds it"
+    return _tokenize_piece(ds, piece, mask, _worker_encoder, eot, dtype, out_dir)
 
 
 # ---------------------------------------------------------------- prepare
@@ -298,34 +451,35 @@ class _Run:
         mask = split_mask(n, self.val_fraction, self.seed)
         parallel = num_proc > 1 and _text_bytes(ds) >= parallel_min_bytes
         pieces = _plan_pieces(n, num_proc * 4 if parallel else 1)
-        tok_json = self.tok.to_str()
         with _progress(self.progress, n) as advance:
             if not parallel:
+                encoder = self.encoder()
                 results = []
                 for p in pieces:
-                    results.append(
-                        _tokenize_piece(ds, p, mask, tok_json, self.eot, self.dtype, str(self.out))
-                    )
+                    results.append(_tokenize_piece(ds, p, mask, encoder, self.eot, self.dtype, str(self.out)))
                     advance(p.stop - p.start)
                 return results
-            return self._in_processes(ds, pieces, mask, tok_json, num_proc, advance)
+            return self._in_processes(ds, pieces, mask, num_proc, advance)
+
+    def encoder(self) -> _DocumentEncoder:
+        return _encoder(self.tok.to_str(), toks.start_ids(self.tok, self.eot))
 
     def _in_processes(
         self,
         ds: datasets.Dataset,
         pieces: list[_Piece],
         mask: np.ndarray,
-        tok_json: str,
         num_proc: int,
         advance: Callable[[int], None],
     ) -> list[_PieceResult]:
         # fork where the platform has it: spawn would re-import the caller's __main__ in every worker.
         # The workers encode single-threaded (_worker_init), so the parent's tokenizer threads are moot.
         ctx = get_context("fork" if "fork" in get_all_start_methods() else "spawn")
+        setup = (self.tok.to_str(), toks.start_ids(self.tok, self.eot))
         results = []
-        with ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_worker_init) as pool:
+        with ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_worker_init, initargs=setup) as pool:
             futures = {
-                pool.submit(_tokenize_piece, ds, p, mask, tok_json, self.eot, self.dtype, str(self.out)): p
+                pool.submit(_tokenize_piece_in_worker, ds, p, mask, self.eot, self.dtype, str(self.out)): p
                 for p in pieces
             }
             for fut in as_completed(futures):
@@ -338,12 +492,13 @@ class _Run:
         results: list[_PieceResult] = []
         index, seen = 0, 0
         writer = _ShardWriter(self.out, index, self.dtype)
+        encoder = self.encoder()
         text_tokens = 0
         with _progress(self.progress, None) as advance:
             for batch in ds.iter(batch_size=self.batch_docs):
                 texts = batch["text"]
                 is_val = _streaming_val(np.arange(seen, seen + len(texts)), self.val_fraction, self.seed)
-                text_tokens += _encode_into(writer, self.tok, self.eot, texts, is_val)
+                text_tokens += _encode_into(writer, encoder, self.eot, texts, is_val)
                 seen += len(texts)
                 advance(len(texts))
                 if sum(writer.documents.values()) >= self.stream_piece_docs:
