@@ -34,6 +34,11 @@ TRAIN_ARGS = [
     "--zero", "1", "--set", "optim.eps=1e-6",
 ]  # fmt: skip
 RUNS = {"one": [], "tp2": ["--gpus", "2", "--tp", "2"], "sp2": ["--gpus", "2", "--sp", "2"]}
+# The layouts sum their split matmuls in another order: after 4 steps single elements whose gradient
+# is a near-cancellation differ by up to ~2e-7 (seen: one of 4,096 in o_proj), while the losses agree to
+# 1e-9. A misplaced or missing slice would be off by the weights' own scale (~1e-2); exact placement is
+# test_tp_slices_are_put_back_by_column_and_by_row's.
+ATOL = 1e-6
 PARALLEL = ["tp2", "sp2"]
 
 
@@ -54,7 +59,7 @@ def test_consolidated_weights_equal_the_one_process_ones(runs: dict[str, Path], 
     assert sorted(ours) == sorted(reference)
     for key, tensor in reference.items():
         assert ours[key].dtype == torch.float32 and ours[key].shape == tensor.shape, key
-        assert np.allclose(ours[key].numpy(), tensor.numpy(), rtol=1e-5, atol=1e-7), key
+        assert np.allclose(ours[key].numpy(), tensor.numpy(), rtol=1e-5, atol=ATOL), key
 
 
 def test_tp_slices_are_put_back_by_column_and_by_row(runs: dict[str, Path]) -> None:
@@ -89,7 +94,7 @@ def test_export_of_a_tp_run_writes_the_one_process_weights(
     assert len(exported) == len(reference)
     for key, tensor in reference.items():
         hf_key = key if key == "lm_head.weight" else f"model.{key}"
-        assert np.allclose(exported[hf_key].numpy(), tensor.numpy(), rtol=1e-5, atol=1e-7), key
+        assert np.allclose(exported[hf_key].numpy(), tensor.numpy(), rtol=1e-5, atol=ATOL), key
 
 
 @pytest.mark.parametrize("name", PARALLEL)
