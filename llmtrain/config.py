@@ -309,7 +309,7 @@ class TrainConfig:
         """Whether the blocks are compiled: train.compile, or where it is unset, the default: on where
         torch.compile is tested to train exactly (DeepSpeed without tp, sp or pp: the collectives inside
         a tp/sp block and the pipeline's stage modules are not) and pays back its warm-up (about a minute
-        on a CPU, measured 1.4x faster steps after it: README, Measured results)."""
+        on a CPU; the README's measured throughput is with this default)."""
         if self.train.compile is not None:
             return self.train.compile
         lay = self.parallel

@@ -159,7 +159,7 @@ def _chunked(
 
 def _scaled(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """t x scale computed in fp32, rounded once to dtype."""
-    return (t.float() * scale).to(dtype) if t.dtype != torch.float32 else (t * scale).to(dtype)
+    return (t.float() * scale).to(dtype)
 
 
 def _softmax_minus_one_hot(
