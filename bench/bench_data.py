@@ -150,7 +150,7 @@ def run_recipe(source: Path, tok_path: Path, num_proc: int, block_size: int) -> 
     import pyarrow.compute as pc
 
     datasets.disable_progress_bars()
-    with tokenizer_threads_kept():
+    with environment_kept():
         started, cpu = time.perf_counter(), cpu_seconds()
         tokenized, grouped = _recipe(source, tok_path, num_proc, block_size)
         seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
@@ -198,16 +198,19 @@ def _recipe(source: Path, tok_path: Path, num_proc: int, block_size: int) -> tup
 
 
 @contextlib.contextmanager
-def tokenizer_threads_kept() -> Iterator[None]:
-    """datasets' map(num_proc) leaves TOKENIZERS_PARALLELISM=false in the process's environment (it
-    restores only `os.environ`, Python's copy), which would keep the tokenizer on one thread in
-    prepare_data's turn; `llmtrain prepare-data`, a process of its own, has every thread."""
-    was_set = "TOKENIZERS_PARALLELISM" in os.environ
+def environment_kept() -> Iterator[None]:
+    """datasets' map(num_proc) swaps `os.environ` for a copy taken before it set TOKENIZERS_PARALLELISM=false,
+    and leaves the variable set in the process's real environment. Both leak: the tokenizer would stay on
+    one thread in prepare_data's turn (`llmtrain prepare-data`, a process of its own, has every thread), and
+    whatever holds the original mapping (rich's Console reads COLUMNS from it) stops seeing later changes.
+    The original mapping is put back, the variable unset where it was unset before."""
+    environ, was_set = os.environ, "TOKENIZERS_PARALLELISM" in os.environ
     try:
         yield
     finally:
+        os.environ = environ  # noqa: B003 (the original object back, not a new environment)
         if not was_set:
-            os.unsetenv("TOKENIZERS_PARALLELISM")
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)  # also unsets it in the real environment
 
 
 def group_texts_drop(doc_tokens: list[int], num_proc: int, block_size: int, batch: int = MAP_BATCH) -> int:

@@ -4,6 +4,7 @@ measurement on a small corpus where both sides must count the same tokens, token
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,11 @@ def test_both_sides_count_the_same_tokens_and_only_group_texts_drops_any(
     small_corpus: tuple[Path, Path], tmp_path: Path
 ) -> None:
     source, tok = small_corpus
+    environ = os.environ
     r = measure("small", source, tok, tmp_path, num_proc=2, block_size=64, repeats=1)
+    # datasets' map(num_proc) swaps os.environ for a copy: the benchmark puts the process's own back
+    # (rich's Console, among others, keeps reading the original; COLUMNS set later would be lost).
+    assert os.environ is environ
     assert r["documents"] == 2100
     assert r["same_tokens"] and r["recipe"]["tokens"] == r["text_tokens"] == r["prepare"]["tokens"]
     assert r["prepare"]["stream_tokens"] == r["text_tokens"] + r["documents"]  # one separator each
