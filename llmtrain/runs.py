@@ -166,9 +166,9 @@ def _finite(value: Any) -> bool:
 
 
 def render(doc: dict[str, Any]) -> None:
-    from rich.console import Console
+    from llmtrain.terminal import console as make_console
 
-    console = Console()
+    console = make_console()
     if "runs" in doc:
         if not doc["runs"]:
             console.print(f"no runs in {doc['root']}")

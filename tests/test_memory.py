@@ -164,8 +164,7 @@ def test_fit_search_keeps_degrees_the_model_can_split() -> None:
     assert not any(c.stage == 0 and c.tp * c.sp > 1 for c in found)
 
 
-def test_cli_estimates_a_tp_layout(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    monkeypatch.setenv("COLUMNS", "250")
+def test_cli_estimates_a_tp_layout(capsys: pytest.CaptureFixture[str]) -> None:
     doc = _cli_json(capsys, "--preset", "7b", "--tp", "2", "--gpus", "8", "--zero", "2")
     assert (doc["setup"]["tp"], doc["setup"]["layout"], doc["setup"]["zero_group"]) == (2, "dp 4 x tp 2", 4)
     assert {r["term"]: r["bytes"] for r in doc["per_gpu"]}["parameters"] == 2 * 3_500_412_928
@@ -249,8 +248,7 @@ def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_table_and_json_carry_the_same_numbers(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    monkeypatch.setenv("COLUMNS", "250")  # no wrapped cells
+def test_table_and_json_carry_the_same_numbers(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--preset", "7b", "--zero", "3", "--offload", "cpu", "--gpus", "8", "--gpu-memory", "24GB"]
     doc = _cli_json(capsys, *args)
     assert main(["estimate-memory", *args]) == 0

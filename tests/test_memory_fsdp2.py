@@ -123,8 +123,7 @@ def test_fit_search_proposes_only_what_fsdp2_runs() -> None:
 _CLI = ["estimate-memory", "--engine", "fsdp2", "--preset", "debug", "--gpus", "2", "--micro-batch", "2"]
 
 
-def test_cli_prints_fsdp2s_terms(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("COLUMNS", "250")  # no wrapped cells
+def test_cli_prints_fsdp2s_terms(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*_CLI, "--zero", "3", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out
     assert "FSDP2 --zero 3 (reshard after forward)" in out

@@ -182,8 +182,7 @@ def test_gpipe_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None
     assert {r["term"]: r["bytes"] for r in doc["per_gpu"]}["activations"] == 4 * STAGE1_MICRO
 
 
-def test_the_table_prints_the_bubble_and_the_stages(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    monkeypatch.setenv("COLUMNS", "250")
+def test_the_table_prints_the_bubble_and_the_stages(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate-memory", *_ARGS, "--global-batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "dp 1 x pp 2" in out

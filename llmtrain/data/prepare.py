@@ -23,6 +23,7 @@ import datasets
 import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers
 
+from llmtrain import terminal
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.data import sources
 from llmtrain.data import tokenizer as toks
@@ -534,7 +535,6 @@ def _progress(enabled: bool, total: int | None) -> Iterator[Callable[[int], None
     if not enabled:
         yield lambda _n: None
         return
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (
@@ -544,7 +544,7 @@ def _progress(enabled: bool, total: int | None) -> Iterator[Callable[[int], None
         TextColumn("documents"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=terminal.console(stderr=True), transient=True) as bar:
         task = bar.add_task("tokenize", total=total)
         yield lambda n: bar.advance(task, n)
 

@@ -36,9 +36,9 @@ def report(est: Estimate, gpu_memory: int | None, cpu_memory: int | None) -> dic
 
 def render(doc: dict[str, Any]) -> None:
     """Print a report() document as rich tables (the numbers are the JSON's, formatted)."""
-    from rich.console import Console
+    from llmtrain.terminal import console as make_console
 
-    console = Console()
+    console = make_console()
     s = doc["setup"]
     title = (
         f"{s['preset'] or format(s['params'], ',') + ' params'}: {_engine_stage(s)}, offload {s['offload']}, "
