@@ -35,7 +35,9 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-Precision = Literal["bf16", "fp16", "fp32"]
+# auto: bf16 where the GPU or CPU computes it natively, else fp32; llmtrain.precision decides it when a
+# run is prepared, and config.yaml records the concrete value.
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Offload = Literal["none", "cpu", "nvme"]
 Checkpointing = Literal["none", "full", "selective"]
 PipeSchedule = Literal["1f1b", "gpipe"]
@@ -140,7 +142,11 @@ class TrainSection:
     micro_batch: int = _f(8, "sequences per process per forward pass")
     global_batch: int | None = _f(None, "sequences per optimizer step; default micro_batch x world size")
     seq_len: int = _f(256, "tokens per training sequence")
-    precision: Precision = _f("bf16", "bf16, fp16 (GPU only) or fp32")
+    precision: Precision = _f(
+        "auto",
+        "auto (bf16 on a GPU or CPU that computes it natively, else fp32; decided and recorded when the run "
+        "starts), bf16, fp16 (GPU only) or fp32",
+    )
     seed: int = _f(0, "seed for initialisation, data order and dropout-free sampling")
     init_from: str | None = _f(
         None,

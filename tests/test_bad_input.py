@@ -91,7 +91,7 @@ CASES: dict[str, Case] = {
     "int-not-positive": Case(f"{T} --micro-batch -1", "--micro-batch: must be positive", RUN),
     "float-not-positive": Case(f"{T} --lr -1", "--lr: must be positive", RUN),
     "choice-unknown": Case(
-        f"{T} --precision fp8", "--precision: train.precision must be bf16 | fp16 | fp32", RUN
+        f"{T} --precision fp8", "--precision: train.precision must be auto | bf16 | fp16 | fp32", RUN
     ),
     "bool-as-word": Case(f"{T} --set train.compile=maybe", "--set: train.compile must be bool", RUN),
     "zero-stage": Case(f"{T} --zero 5", "--zero: invalid stage 5; valid values: 0, 1, 2, 3", RUN),

@@ -27,8 +27,8 @@ from llmtrain import checkpoint as ckpt
 from llmtrain.checkpoint import CheckpointError
 
 SEQ = 16
-# (directory, ZeRO stage, precision): bf16 is the default precision; stage 0 also in fp32, where the
-# module itself holds the fp32 weights.
+# (directory, ZeRO stage, precision): bf16 (what --precision auto picks on a GPU or a bf16 CPU); stage 0
+# also in fp32, where the module itself holds the fp32 weights.
 ROUND_TRIPS = [(f"zero{s}", s, "bf16") for s in (0, 1, 2, 3)] + [("zero0_fp32", 0, "fp32")]
 NAMES = [name for name, _, _ in ROUND_TRIPS]
 
@@ -506,7 +506,7 @@ def _debug_config(engine: str) -> Any:
 
     stage = 1 if engine == "deepspeed" else 3  # runs' default ZeRO stage; FSDP2 runs stages 2-3
     flags = {"preset": "debug", "train.engine": engine, "zero.stage": stage, "train.micro_batch": 2}
-    return resolve(flags=flags)
+    return resolve(flags={**flags, "train.precision": "bf16"})  # as _engine's: the default is auto
 
 
 def _first_saves(rank: int, ws: int, root: str) -> dict[str, tuple[int, int, str]]:

@@ -218,7 +218,8 @@ def test_config_command_under_fsdp2_prints_the_fsdp2_plan_not_a_deepspeed_config
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     fsdp2 = ["--engine", "fsdp2", "--zero", "2", "--offload", "cpu", "--gpus", "2"]
-    out = _in_process(capsys, "config", "--preset", "debug", *fsdp2)
+    # bf16 named: the default, auto, is fp32 on a CPU without native bf16.
+    out = _in_process(capsys, "config", "--preset", "debug", *fsdp2, "--precision", "bf16")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert "zero_optimization" not in plan and plan["engine"] == "fsdp2"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,40 @@ def test_records_have_required_keys_and_numbers(tmp_path: Path) -> None:
         "wall time",
     ):
         assert row in table
+
+
+def _eta_of(line: str) -> str | None:
+    match = re.search(r" eta (\S+)$", line)
+    return match.group(1) if match else None
+
+
+@pytest.mark.parametrize(
+    ("log_every", "etas"), [(1, [None, "0:01:58", "0:01:57"]), (10, [None, "0:01:40", "0:01:30"])]
+)
+def test_the_eta_leaves_out_the_first_interval_which_holds_the_compile(
+    tmp_path: Path, log_every: int, etas: list[str | None]
+) -> None:
+    """A compiled 120-step run: the first step takes 100 s (torch.compile), each later one 1 s. The first
+    line has no eta (its interval holds the compile: it would say 3:18:20 for a 4-minute run); from the
+    second on, the pace of the steps since the previous line. Plain numbers: the clock is the test's."""
+    now = [0.0]
+    logger, out = make_logger(tmp_path, total_steps=120, clock=lambda: now[0])
+    for step in (log_every, 2 * log_every, 3 * log_every):
+        now[0] = 100.0 + (step - 1) * 1.0
+        logger.log_step(step, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=64 * step)
+    assert [_eta_of(line) for line in out.getvalue().splitlines()] == etas
+
+
+def test_a_resumed_session_leaves_out_its_own_first_interval(tmp_path: Path) -> None:
+    """After a resume the first step compiles again: no eta until the session's second line."""
+    now = [0.0]
+    logger, out = make_logger(tmp_path, total_steps=100, clock=lambda: now[0])
+    logger.start(50, 50 * 64)
+    now[0] = 60.0
+    logger.log_step(51, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=51 * 64)
+    now[0] = 62.0
+    logger.log_step(52, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=52 * 64)
+    assert [_eta_of(line) for line in out.getvalue().splitlines()] == [None, "0:01:36"]  # 48 steps x 2 s
 
 
 def test_non_finite_values_are_written_as_null(tmp_path: Path) -> None:

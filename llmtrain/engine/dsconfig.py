@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmtrain import precision
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.parallel import rules
 
@@ -55,7 +56,7 @@ def build(
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    ds.update(_precision(cfg))
+    ds.update(_precision(cfg, accelerator))
     if layout.tp > 1:
         ds["tensor_parallel"] = _tensor_parallel(layout.tp)
     if load_universal:
@@ -99,15 +100,17 @@ def _optimizer(cfg: TrainConfig, accelerator: str) -> dict[str, Any]:
     return {"type": "AdamW", "params": params}
 
 
-def _precision(cfg: TrainConfig) -> dict[str, Any]:
-    precision = cfg.train.precision
-    if precision == "bf16":
+def _precision(cfg: TrainConfig, accelerator: str) -> dict[str, Any]:
+    # A run's config holds the precision decided when it was prepared; auto is left only where no run is
+    # (`llmtrain config`, a library caller), and is then decided as a run on `accelerator` would.
+    chosen = precision.concrete(cfg.train.precision, accelerator)
+    if chosen == "bf16":
         out: dict[str, Any] = {"bf16": {"enabled": True, "check_grad_overflow": True}}
         if cfg.zero.stage > 0:
             # Accumulate gradients across micro-batches in fp32, not bf16.
             out["data_types"] = {"grad_accum_dtype": "fp32"}
         return out
-    if precision == "fp16":
+    if chosen == "fp16":
         return {
             "fp16": {
                 "enabled": True,
@@ -174,8 +177,9 @@ def _offload_target(cfg: TrainConfig) -> dict[str, Any]:
     return {"device": "nvme", "nvme_path": cfg.zero.nvme_path, "pin_memory": True, "buffer_count": 5}
 
 
-# The reference set in ds_configs/: what `llmtrain config` prints for a 7B model on one GPU with
-# 8 accumulation steps. A test keeps the files in sync with this code and feeds each to DeepSpeed.
+# The reference set in ds_configs/: what `llmtrain config --precision bf16` prints for a 7B model on one
+# GPU with 8 accumulation steps (bf16 named: auto would depend on the machine that regenerates them). A
+# test keeps the files in sync with this code and feeds each to DeepSpeed.
 REFERENCE_FLAGS: dict[str, dict[str, Any]] = {
     "zero1": {"zero.stage": 1},
     "zero2": {"zero.stage": 2},
@@ -184,7 +188,12 @@ REFERENCE_FLAGS: dict[str, dict[str, Any]] = {
     "zero3_offload_cpu": {"zero.stage": 3, "zero.offload": "cpu"},
     "zero3_offload_nvme": {"zero.stage": 3, "zero.offload": "nvme", "zero.nvme_path": "/local_nvme"},
 }
-REFERENCE_COMMON: dict[str, Any] = {"preset": "7b", "train.micro_batch": 4, "train.global_batch": 32}
+REFERENCE_COMMON: dict[str, Any] = {
+    "preset": "7b",
+    "train.micro_batch": 4,
+    "train.global_batch": 32,
+    "train.precision": "bf16",
+}
 
 
 def reference_configs() -> dict[str, dict[str, Any]]:

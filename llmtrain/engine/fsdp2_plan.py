@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmtrain import precision
 from llmtrain.config import TrainConfig
 from llmtrain.parallel import rules
 
@@ -14,7 +15,8 @@ def build(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     global_batch, micro, accumulation = rules.batch_triple(
         cfg.train.micro_batch, cfg.train.global_batch, cfg.layout(world_size).dp
     )
-    bf16 = cfg.train.precision == "bf16"
+    # auto is decided by now in a run's config; elsewhere (`llmtrain config`) as a run here would decide it.
+    bf16 = precision.concrete(cfg.train.precision) == "bf16"
     o = cfg.optim
     return {
         "engine": "fsdp2",

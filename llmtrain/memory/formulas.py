@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from llmtrain import precision
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine import dsconfig
 from llmtrain.errors import ConfigError
@@ -244,7 +245,17 @@ def setup_from_config(cfg: TrainConfig, params: int | None = None, shape_known: 
                 f"{flag_for(key)}: what {what} depends on the model's shape; "
                 "give --preset, --config or the shape flags (--hidden-size ...) instead of --params alone"
             )
-    return Setup(cfg, int(count), shape_known)
+    return Setup(_planned_precision(cfg), int(count), shape_known)
+
+
+def _planned_precision(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with auto as a GPU run resolves it (bf16: the estimator plans GPU runs, and every GPU since
+    Ampere runs bf16), so every term and DeepSpeed's dict read one concrete precision. A copy: the
+    caller's config keeps its auto."""
+    planned = precision.for_gpu_plan(cfg.train.precision)
+    if planned == cfg.train.precision:
+        return cfg
+    return replace(cfg, train=replace(cfg.train, precision=planned))
 
 
 def parameter_tensors(model: ModelConfig, tp: int = 1) -> list[int]:

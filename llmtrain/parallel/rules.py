@@ -96,8 +96,11 @@ RULES: tuple[Rule, ...] = (
         "zero.stage",
         # DeepSpeed 0.19.8's BF16_Optimizer (ZeRO 1 in bf16) takes Ulysses' sequence-parallel rank for a
         # tensor-parallel one and leaves sp rank 1 with no gradient to measure: the first step fails.
-        lambda c: c.stage == 1 and c.precision == "bf16" and c.sp > 1,
-        "ZeRO 1 in bf16 with --sp fails in DeepSpeed's bf16 optimizer; use --zero 2 (or 3), or --precision fp32",
+        # auto is refused too: it is bf16 on the machines that have it, and a config should not be valid
+        # on one machine and refused on the next.
+        lambda c: c.stage == 1 and c.precision in ("bf16", "auto") and c.sp > 1,
+        "ZeRO 1 in bf16 with --sp fails in DeepSpeed's bf16 optimizer (--precision {precision}); use --zero 2 "
+        "(or 3), or --precision fp32",
     ),
     Rule(
         "zero.stage",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import config as config_mod
-from llmtrain import rundir
+from llmtrain import precision, rundir
 from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import rules
@@ -77,7 +77,7 @@ def prepare_train(cfg: TrainConfig, resume_auto: bool, made_dir: bool = False) -
     check_launch(cfg)
     check_inputs(cfg)
     pin_init_source(cfg, run_dir)
-    derive(cfg)
+    say_precision(derive(cfg))
     return PreparedRun(cfg, run_dir, resume=False, new_dir=made_dir or not run_dir.exists())
 
 
@@ -106,11 +106,12 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 
 
-def derive(cfg: TrainConfig) -> None:
+def derive(cfg: TrainConfig) -> precision.Decision | None:
     """Fix the derived numbers in the config, so that a resume on another world size keeps them: the
     global batch (from the launcher's world size when inside one: torchrun --nnodes 2 runs
-    `train --gpus 1` twice), the warmup and whether blocks are compiled; then check the schedule against
-    the run's length."""
+    `train --gpus 1` twice), the warmup, whether blocks are compiled and the precision `auto` stands for
+    (measured on this machine: a resume, or a worker, never measures again); then check the schedule
+    against the run's length. Returns the precision decision, None when the config named a precision."""
     world_size = int(os.environ["WORLD_SIZE"]) if inside_launcher() else cfg.world_size
     data_parallel = cfg.layout(world_size).dp
     cfg.train.global_batch = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, data_parallel)[
@@ -118,7 +119,16 @@ def derive(cfg: TrainConfig) -> None:
     ]
     cfg.schedule.warmup_steps = cfg.warmup_steps
     cfg.train.compile = cfg.compiles  # a resumed run keeps its kernels, whatever its new --steps
+    decided = precision.settle(cfg)
     schedule.check_schedule(cfg)
+    return decided
+
+
+def say_precision(decided: precision.Decision | None) -> None:
+    """The one line that says what `--precision auto` chose and why, from the process that prepared
+    (rank 0 under a launcher whose ranks each prepare)."""
+    if decided is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(decided.line(), flush=True)
 
 
 def freeze(prepared: PreparedRun) -> Callable[[], None]:

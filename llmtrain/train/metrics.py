@@ -27,15 +27,15 @@ import secrets
 import string
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from llmtrain import rundir
+from llmtrain import rundir, terminal
 from llmtrain.config import ModelConfig, TrainConfig, to_dict
 from llmtrain.parallel.node import output_relayed
 from llmtrain.presets import count_parameters
@@ -199,7 +199,8 @@ class MetricsLogger:
     throughput), `log_step(...)` every `log_every` steps, `log_eval(...)` after each evaluation,
     `warn(...)` for events, `close()` at the end (prints the summary table and returns it as a dict).
     `resume_step` truncates metrics.jsonl to the records at or before it and continues the file;
-    `resume_step=0` (a fresh run) starts the file afresh.
+    `resume_step=0` (a fresh run) starts the file afresh. `clock` gives the time in seconds (tests feed
+    their own).
     """
 
     def __init__(
@@ -217,8 +218,10 @@ class MetricsLogger:
         wandb_config: dict[str, Any] | None = None,
         interactive: bool | None = None,
         stream: TextIO | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self._clock = clock
         self.path = self.run_dir / METRICS_FILE
         self.total_steps = total_steps
         self.enabled = rank == 0
@@ -228,7 +231,7 @@ class MetricsLogger:
         if interactive is None:
             interactive = self.stream.isatty() and not output_relayed()
         self.interactive = interactive
-        self.console = Console(file=self.stream, force_terminal=self.interactive, highlight=False)
+        self.console = terminal.console(file=self.stream, force_terminal=self.interactive, highlight=False)
         self._file: TextIO | None = None
         self._progress: Progress | None = None
         self._task: TaskID | None = None
@@ -334,7 +337,7 @@ class MetricsLogger:
 
     def start(self, step: int, tokens: int) -> None:
         """Start the throughput clock at (step, tokens): call right before the first training step."""
-        now = time.perf_counter()
+        now = self._clock()
         self._start_time = now
         self._start_step = step
         self._start_tokens = tokens
@@ -369,10 +372,13 @@ class MetricsLogger:
         **extra: float,
     ) -> dict[str, Any]:
         """Record a training step (after `step` updates, `tokens` trained in total); returns the record."""
-        now = time.perf_counter()
+        now = self._clock()
         interval = now - self._last_time
         tokens_per_sec = (tokens - self._last_tokens) / interval if interval > 0 else 0.0
-        if step > self._last_step:
+        if step > self._last_step > self._start_step:
+            # Only an interval after the session's first step sets the pace: the first one holds
+            # torch.compile's warm-up (a minute or more on a CPU), which would stretch the estimate for
+            # the whole run ("eta 1:43:07" at step 1 of a 2-minute run).
             self._seconds_per_step = interval / (step - self._last_step)
         self._last_time, self._last_tokens, self._last_step = now, tokens, step
         record: dict[str, Any] = {
@@ -442,8 +448,8 @@ class MetricsLogger:
 
     # ---- console
     def _eta(self, step: int) -> float | None:
-        """At the pace of the steps since the previous record: the first steps' warm-up (torch.compile,
-        the data cache) does not stretch the estimate for the rest of the run."""
+        """At the pace of the steps since the previous record, from the second record of a session on
+        (log_step: the first interval holds the warm-up); None until then."""
         if self._seconds_per_step is None:
             return None
         return self._seconds_per_step * max(self.total_steps - step, 0)
@@ -484,7 +490,7 @@ class MetricsLogger:
     def summary(self) -> dict[str, Any]:
         """The run's headline numbers (this session's average throughput)."""
         last = self.last_train or {}
-        now = time.perf_counter()
+        now = self._clock()
         session = now - self._start_time
         tokens = last.get("tokens", self._start_tokens)
         tokens_per_sec = (tokens - self._start_tokens) / session if session > 0 else 0.0
