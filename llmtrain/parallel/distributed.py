@@ -6,7 +6,6 @@ a CPU machine gets DeepSpeed's `cpu` accelerator and gloo without the user setti
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
+from llmtrain.parallel import shm
 from llmtrain.parallel.node import node_name
 from llmtrain.quiet import held_stdout
 
@@ -56,7 +56,7 @@ def init(timeout_s: float = 600.0) -> World:
     if not inside_launcher():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -65,6 +65,10 @@ def init(timeout_s: float = 600.0) -> World:
     if not dist.is_initialized():
         import deepspeed
 
+        if local_rank == 0:
+            # Before this rank joins the group, so no peer on this node can open a dead run's buffer
+            # of the same name (a reused port) and keep it while this rank creates a new one.
+            shm.sweep_dead_buffers()
         backend, timeout = ("nccl" if accelerator == "cuda" else "gloo"), timedelta(seconds=timeout_s)
         store = _elastic_attempt_store(world_size, timeout)
         if store is not None:
@@ -111,26 +115,10 @@ def shutdown(barrier: bool = True) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
-        remove_shm_buffer(rank)
+        shm.remove_own_buffer(rank)
 
 
-# DeepSpeed's CPU all-reduce (its shm comm op, used when all ranks share a machine) creates one
-# shared-memory file per rank, /dev/shm/<prefix>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (69 MB in
-# DeepSpeed 0.19.8), and never unlinks it: every multi-process run on a CPU machine leaked 138 MB of RAM
-# until the machine swapped. The peers have mapped each file since initialisation, and a mapping
-# outlives the name, so each rank removes its own at shutdown.
-SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
-SHM_DIR = "/dev/shm"
-
-
-def remove_shm_buffer(rank: int) -> None:
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    name = f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
-    with contextlib.suppress(OSError):
-        os.unlink(os.path.join(SHM_DIR, name))
-
-
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

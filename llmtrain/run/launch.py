@@ -5,16 +5,23 @@ run.prepare; this module then runs `deepspeed --num_gpus 2 ... --module llmtrain
 every worker trains from that same frozen config. Inside a launcher (RANK / WORLD_SIZE set by deepspeed,
 torchrun or Slurm) the process trains directly. DeepSpeed's launcher runs in its own session: SIGINT /
 SIGTERM reach this process only, which passes SIGTERM to the workers themselves, so they finish the
-step, save and exit 0 (DeepSpeed's launch.py would kill them after 30 s and exit 1).
+step, save and exit 0 (DeepSpeed's launch.py would kill them after 30 s and exit 1). When this process
+dies without a word (SIGKILL), the workers notice and end at once (run.orphans), and DeepSpeed's
+launcher with them.
+
+The master port of a launch on this machine is checked first: one asked for (`--master-port N`) and
+already in use is refused in one line; the default, 29500, when in use is replaced by a free port.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import warnings
@@ -23,11 +30,11 @@ from pathlib import Path
 from types import FrameType
 
 from llmtrain import rundir
-from llmtrain.config import TrainConfig
+from llmtrain.config import LaunchConfig, TrainConfig, flag_for
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
-from llmtrain.parallel.distributed import inside_launcher, select_accelerator
+from llmtrain.parallel.distributed import free_port, inside_launcher, select_accelerator
 from llmtrain.quiet import debug_requested
-from llmtrain.run import nodes
+from llmtrain.run import nodes, orphans
 from llmtrain.run.prepare import PreparedRun, freeze, read_hostfile
 
 
@@ -35,11 +42,13 @@ def needs_relaunch(cfg: TrainConfig) -> bool:
     return cfg.world_size > 1 and not inside_launcher()
 
 
-def deepspeed_command(cfg: TrainConfig, worker_args: list[str], files: nodes.LaunchFiles | None) -> list[str]:
+def deepspeed_command(
+    cfg: TrainConfig, worker_args: list[str], files: nodes.LaunchFiles | None, master_port: int
+) -> list[str]:
     """DeepSpeed's runner for this run: on this machine, or on the nodes of `files` (a hostfile launch)."""
     launch = cfg.launch
     runner = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
-    cmd = [runner, "--master_port", str(launch.master_port)]
+    cmd = [runner, "--master_port", str(master_port)]
     if files is not None:
         # The hostfile lists exactly the nodes and slots used: the MPI runners refuse --num_nodes/--num_gpus.
         cmd += ["--hostfile", str(files.hostfile), "--launcher", launch.launcher]
@@ -75,9 +84,11 @@ def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
     """Run the workers under DeepSpeed's launcher; returns its exit code."""
     args = worker_args(run_dir, resume)
     if cfg.launch.hostfile is None:
-        return _run_runner(deepspeed_command(cfg, args, None))
+        port = local_master_port(cfg.launch)
+        with orphans.named_as_launcher():
+            return _run_runner(deepspeed_command(cfg, args, None, port))
     hosts = read_hostfile(cfg.launch.hostfile)
-    with nodes.launch_files(cfg.launch, hosts, run_dir) as files:
+    with orphans.named_as_launcher(), nodes.launch_files(cfg.launch, hosts, run_dir) as files:
         args = [*args, "--launch-env", str(files.env_file)]
         stop: Callable[[], None] | None = None
         if cfg.launch.launcher in nodes.SSH_RUNNERS:
@@ -85,7 +96,8 @@ def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
             stop = functools.partial(
                 nodes.stop_workers, used, [sys.executable, "-u", "-m", "llmtrain", *args]
             )
-        return _run_runner(deepspeed_command(cfg, args, files), stop)
+        # Rank 0 runs on the hostfile's first node, whose ports cannot be seen from here.
+        return _run_runner(deepspeed_command(cfg, args, files, cfg.launch.master_port), stop)
 
 
 def _run_runner(cmd: list[str], stop_remote: Callable[[], None] | None = None) -> int:
@@ -93,7 +105,7 @@ def _run_runner(cmd: list[str], stop_remote: Callable[[], None] | None = None) -
     # with the accelerator named, none of them guesses it and warns that it did (a hostfile's nodes
     # choose their own).
     env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR=select_accelerator())
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=orphans.parent_death_signal())
     forward = _SignalForwarder(proc.pid, stop_remote)
     try:
         return proc.wait()
@@ -137,6 +149,57 @@ def _is_worker(proc: object) -> bool:
     return "llmtrain" in cmdline and "deepspeed.launcher.launch" not in " ".join(cmdline)
 
 
+# ---------------------------------------------------------------- the master port
+
+DEFAULT_MASTER_PORT = LaunchConfig().master_port  # DeepSpeed's and torchrun's customary 29500
+
+
+class PortInUse(BadInput):
+    """The master port asked for is taken (exit code 2)."""
+
+
+def local_master_port(launch: LaunchConfig) -> int:
+    """The port rank 0 listens on, for a launch on this machine. A port in use would fail every rank at
+    start with torch's EADDRINUSE traceback: one asked for is refused in one line, before anything starts;
+    the default (not a choice: one command line cannot tell it from a typed 29500) gives way to a free
+    one, which no other process needs to know on a single node."""
+    port = launch.master_port
+    if not _in_use(port):
+        return port
+    if port == DEFAULT_MASTER_PORT:
+        return free_port()
+    holder = _listener(port)
+    by = f" (by pid {holder})" if holder is not None else ""
+    flag = flag_for("launch.master_port")
+    raise PortInUse(f"{flag} {port} is in use{by}; pick another or omit it to use a free one")
+
+
+def _in_use(port: int) -> bool:
+    """Whether torch's store could not listen on `port`. SO_REUSEADDR as the store sets it: a port a
+    finished run's connections leave in TIME_WAIT is free; one a process listens on is not."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _listener(port: int) -> int | None:
+    """The pid listening on `port`, when this user may see it."""
+    import psutil
+
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    for conn in connections:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            return int(conn.pid)
+    return None
+
+
 # ---------------------------------------------------------------- running a prepared run
 
 
@@ -163,6 +226,7 @@ def worker_args(run_dir: Path, resume: bool) -> list[str]:
 
 
 def train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
+    orphans.watch_launcher()  # a worker of `llmtrain train --gpus N`: ends if that command dies
     quiet_worker_output()  # before the trainer's imports bring in DeepSpeed
     from llmtrain.train import trainer
 
