@@ -5,7 +5,7 @@ VENV_OK   := .venv/.installed
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install train test test-fast lint typecheck check bench soak gpu-check ds-configs clean
+.PHONY: install install-offline wheelhouse train test test-fast lint typecheck check bench soak gpu-check ds-configs clean
 
 install: $(VENV_OK)
 
@@ -42,10 +42,26 @@ bench: $(VENV_OK)
 soak: $(VENV_OK)
 	$(PY) -m pytest -q -s tests/soak_resume.py
 
-# No install prerequisite: a GPU machine without network access cannot fetch packages; the script finds or builds its
-# environment (see scripts/gpu_check.sh).
+# The GPU check of an installed llmtrain on a machine with a CUDA device: bench/results/gpu.json. No install
+# prerequisite: without a CUDA device it refuses in one line at once, and without network it cannot install
+# (make install-offline). GPU_CHECK_ARGS: --out DIR, --time-limit SECONDS, --only SECTION ..., --dry-run.
+GPU_CHECK_ARGS ?=
 gpu-check:
-	bash scripts/gpu_check.sh
+	@bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# Air-gapped install. Where pip has network access: make wheelhouse [WHEELHOUSE=dir] [WHEEL_PYTHON=3.12]
+# [WHEEL_PLATFORM=manylinux_2_28_x86_64] (default: this machine's python3 and platform); carry the folder
+# and this checkout over; there: make install-offline WHEELHOUSE=dir (see scripts/wheelhouse.sh).
+WHEELHOUSE ?= wheelhouse
+WHEEL_PYTHON ?=
+WHEEL_PLATFORM ?=
+wheelhouse:
+	bash scripts/wheelhouse.sh build $(WHEELHOUSE) $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON)) \
+		$(if $(WHEEL_PLATFORM),--platform $(WHEEL_PLATFORM))
+
+install-offline:
+	bash scripts/wheelhouse.sh install $(WHEELHOUSE)
+	@touch $(VENV_OK)
 
 ds-configs: $(VENV_OK)
 	$(PY) -m llmtrain.engine.dsconfig_reference

@@ -1,10 +1,12 @@
-"""`make gpu-check`: the prepared check for a GPU machine, written as one JSON report.
+"""`make gpu-check`: the check of an installed llmtrain on a machine with a CUDA device, as one JSON file.
 
-    python -m bench.gpu_check [--report PATH] [--dry-run] [--only SECTION ...]
+    python -m bench.gpu_check [--out DIR] [--time-limit SECONDS] [--dry-run] [--only SECTION ...]
 
 Sections, each under its own time limit; a failing or timed-out section is recorded and the next runs,
-and the report is rewritten after every section, so whatever finished is kept:
-1. environment: torch / CUDA / DeepSpeed versions, the device and its peak dense bf16 FLOP/s;
+and the results file (bench/results/gpu.json, or DIR/gpu.json) is rewritten after every section, so
+whatever finished is kept:
+1. environment: the machine (GPU, CPU, memory), torch / CUDA / DeepSpeed versions, the commit, the
+   device's peak dense bf16 FLOP/s;
 2. throughput_1b: the `1b` preset at ZeRO 1 in bf16 (eager and --compile), llmtrain's Trainer step on
    random tokens, MEASURE_STEPS steps after WARMUP_STEPS: median tokens/s, MFU (FLOPs per token
    6N + 12·L·h·s over the device's peak dense bf16 FLOP/s), torch.cuda.max_memory_allocated against
@@ -12,7 +14,9 @@ and the report is rewritten after every section, so whatever finished is kept:
 3. tiny_matrix: `llmtrain train` on the tiny preset under ZeRO 0-3 in bf16 and fp16, a few steps each
    (four runs at a time on the one GPU): exit code, first and last loss, skipped steps;
 4. gpu_tests: `pytest -m gpu tests`.
-`--dry-run` (any machine) writes the plan instead of running it.
+Without a CUDA device it says so in one line and exits 2. `--time-limit` bounds the whole check (none by
+default: each section has its own limit). `--dry-run` (any machine) shows the plan instead of running it:
+on stdout, or in DIR/gpu.json with --out.
 """
 
 from __future__ import annotations
@@ -32,31 +36,54 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# The headline measurement first: if the time limit cuts the run short, what is lost is the cheap part.
+DEFAULT_OUT_DIR = REPO / "bench" / "results"
+RESULT_FILE = "gpu.json"
+# The headline measurement first: if a time limit cuts the run short, what is lost is the cheap part.
 SECTIONS = ("environment", "throughput_1b", "tiny_matrix", "gpu_tests")
 
 TINY_STEPS = 8
 TINY_PARALLEL = 4
-TINY_TIMEOUT_S = 150
-GPU_TESTS_TIMEOUT_S = 150
+TINY_TIMEOUT_S = 300
+GPU_TESTS_TIMEOUT_S = 600
+FUSED_ADAM_BUILD_TIMEOUT_S = 600
 
 PRESET_1B = "1b"
 MICRO_BATCH_1B = 8
 SEQ_LEN_1B = 2048
 WARMUP_STEPS = 3
 MEASURE_STEPS = 10
-THROUGHPUT_TIMEOUT_S = {False: 150, True: 210}  # eager, --compile
+THROUGHPUT_TIMEOUT_S = {False: 600, True: 900}  # eager, --compile
+
+_deadline: float | None = None  # time.monotonic() at which --time-limit runs out; None: no limit
 
 
-def default_report_path() -> Path:
-    out = os.environ.get("OUT")
-    return (Path(out) if out else REPO) / "gpu_check_report.json"
+def time_left() -> float:
+    return math.inf if _deadline is None else _deadline - time.monotonic()
+
+
+def cuda_refusal() -> str | None:
+    """Why this machine cannot run the check (one line), or None when torch sees a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return (
+            f"no CUDA device is present: torch {torch.__version__} is a build without CUDA; "
+            "install torch's CUDA build for this machine"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return (
+        f"no CUDA device is present: torch {torch.__version__} (CUDA {torch.version.cuda}) sees none{hidden}"
+    )
 
 
 # ---------------------------------------------------------------- sections
 
 
 def environment() -> dict[str, Any]:
+    import psutil
     import torch
 
     info: dict[str, Any] = {
@@ -64,6 +91,10 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
+        "cpu": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        **_commit(),
     }
     try:
         import deepspeed
@@ -80,7 +111,31 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit() -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "tree_clean": None if status is None else status == ""}
+
+
 def _run(cmd: list[str], timeout: float, cwd: Path = REPO) -> dict[str, Any]:
+    """`cmd` under `timeout` seconds, or less where --time-limit leaves less."""
+    timeout = max(1.0, min(timeout, time_left()))
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -131,14 +186,26 @@ def _tiny_run(stage: int, precision: str, root: Path) -> dict[str, Any]:
     return result
 
 
+def prebuild_fused_adam() -> dict[str, Any]:
+    """DeepSpeed JIT-builds FusedAdam on first use: once here, so parallel runs do not race on it."""
+    code = "import llmtrain; from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
+    result = _run([sys.executable, "-c", code], FUSED_ADAM_BUILD_TIMEOUT_S)
+    return {
+        "rc": result["rc"],
+        "seconds": result["seconds"],
+        **({"tail": result["tail"]} if result["rc"] else {}),
+    }
+
+
 def tiny_matrix() -> dict[str, Any]:
     runs = [(stage, precision) for precision in ("bf16", "fp16") for stage in (0, 1, 2, 3)]
+    build = prebuild_fused_adam()
     with (
         tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp,
         concurrent.futures.ThreadPoolExecutor(TINY_PARALLEL) as pool,
     ):
         results = list(pool.map(lambda sp: _tiny_run(sp[0], sp[1], Path(tmp)), runs))
-    return {"ok": all(r["ok"] for r in results), "runs": results}
+    return {"ok": all(r["ok"] for r in results), "fused_adam_build": build, "runs": results}
 
 
 def throughput_1b() -> dict[str, Any]:
@@ -227,7 +294,7 @@ RUNNERS = {
 def plan() -> dict[str, Any]:
     """What a real run would do, for --dry-run."""
     return {
-        "environment": "versions, device name, peak bf16 FLOP/s",
+        "environment": "GPU, CPU, memory, versions, commit, peak bf16 FLOP/s",
         "gpu_tests": "pytest -q -m gpu tests",
         "tiny_matrix": [
             " ".join(tiny_command(s, p, Path("RUN_DIR"))) for p in ("bf16", "fp16") for s in (0, 1, 2, 3)
@@ -250,42 +317,94 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _failed(section: dict[str, Any]) -> bool:
+    """An error, a failed check or a non-zero exit code, in the section or in the 1b measurement's eager
+    and compile runs. (A failed FusedAdam prebuild is recorded only: the runs build it themselves.)"""
+    parts = [section, *(section[k] for k in ("eager", "compile") if isinstance(section.get(k), dict))]
+    return any("error" in p or p.get("ok") is False or p.get("rc", 0) != 0 for p in parts)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--report", type=Path, default=None, help="default: $OUT or the repo root")
-    parser.add_argument("--dry-run", action="store_true", help="write the plan, run nothing")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"write DIR/{RESULT_FILE} (default: bench/results)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="bound the whole check (default: none)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="show the plan, run nothing (no GPU needed)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        metavar="SECTION",
+        help=", ".join(SECTIONS),
+    )
     parser.add_argument("--measure-1b", action="store_true", help=argparse.SUPPRESS)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     mode.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.time_limit is not None and args.time_limit <= 0:
+        parser.error(f"--time-limit: must be a positive number of seconds, got {args.time_limit:g}")
+    return args
+
+
+def dry_run(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    steps = plan()
+    report.update(dry_run=True, plan={name: steps[name] for name in args.only})
+    if args.out is None:
+        print(json.dumps(report, indent=2))
+        return 0
+    path = args.out / RESULT_FILE
+    write_report(path, report)
+    print(f"plan written to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _deadline
+    args = parse_args(argv)
     if args.measure_1b:
         measure_1b(args.compile)
         return 0
-    path = args.report or default_report_path()
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "sections": args.only}
     if args.dry_run:
-        report["dry_run"] = True
-        steps = plan()
-        report["plan"] = {name: steps[name] for name in args.only}
-        write_report(path, report)
-        print(f"plan written to {path}")
-        return 0
+        return dry_run(args, report)
+    refusal = cuda_refusal()
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("DS_ACCELERATOR", "cuda")  # the runs this check starts name their accelerator
+    if args.time_limit is not None:
+        _deadline = time.monotonic() + args.time_limit
+        report["time_limit_s"] = args.time_limit
+    path = (args.out or DEFAULT_OUT_DIR) / RESULT_FILE
     failed = False
     for name in args.only:
         started = time.perf_counter()
         print(f"== {name}", flush=True)
-        try:
-            report[name] = RUNNERS[name]()
-        except Exception as exc:  # one broken section must not cost the others
-            report[name] = {"error": repr(exc)}
+        if time_left() <= 0:
+            report[name] = {"error": f"not run: --time-limit {args.time_limit:g} s reached"}
+        else:
+            try:
+                report[name] = RUNNERS[name]()
+            except Exception as exc:  # one broken section must not cost the others
+                report[name] = {"error": repr(exc)}
         report[name + "_seconds"] = round(time.perf_counter() - started, 1)
-        section = report[name]
-        failed |= "error" in section or section.get("ok") is False or section.get("rc", 0) != 0
+        failed |= _failed(report[name])
         write_report(path, report)
-        print(json.dumps(section)[:2000], flush=True)
-    print(f"report written to {path}")
+        print(json.dumps(report[name])[:2000], flush=True)
+    print(f"results written to {path}")
     return 1 if failed else 0
 
 

@@ -1,67 +1,30 @@
 #!/usr/bin/env bash
-# `make gpu-check`: one quick check of a GPU machine (one H200 or similar), under 8 minutes.
-# Writes gpu_check_report.json into $OUT when set, else the repo root (see bench/gpu_check.py).
+# `make gpu-check`: the GPU check (bench/gpu_check.py) of an installed llmtrain, on any machine with a
+# CUDA device. Results: bench/results/gpu.json, or DIR/gpu.json with --out DIR.
 #
-# The environment: the project's .venv when it imports torch with CUDA and DeepSpeed. Otherwise (an
-# offline GPU machine, where `make install` cannot fetch torch 2.13.0, whose image provides a CUDA build
-# of torch for python3), a venv over the system site-packages, with the packages the image lacks
-# (deepspeed, hjson, pydantic, datasets, ...) installed from wheels carried in .whl/ (`bash
-# scripts/gpu_check.sh --wheels` fills it on a machine with pip access; copy `.whl` to the GPU machine).
+#   scripts/gpu_check.sh [--out DIR] [--time-limit SECONDS] [--only SECTION ...] [--dry-run]
+#
+# It uses the environment llmtrain is installed in: .venv (make install, or make install-offline
+# WHEELHOUSE=DIR on a machine without network access), or the Python named by $PYTHON. It installs
+# nothing. Without a CUDA device it says so in one line and exits 2 (--dry-run needs none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-command -v nvidia-smi >/dev/null 2>&1 && export DS_ACCELERATOR=cuda
-TIME_LIMIT_S=${GPU_CHECK_TIME_LIMIT_S:-470}  # the whole script, set-up included
-
-# Python 3.12 manylinux wheels of what a GPU machine's image lacks, pinned to this project's versions.
-WHEELS=(hjson==3.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-        dill==0.4.1 multiprocess==0.70.19 datasets==5.2.0 deepspeed==0.19.8)
-if [ "${1:-}" = "--wheels" ]; then
-    mkdir -p .whl
-    # deepspeed is an sdist on PyPI: build its (pure Python) wheel here, the others are downloaded.
-    python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8 || exit 1
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "${WHEELS[@]:0:8}" || exit 1
-    ls .whl
-    exit 0
-fi
 
 DRY_RUN=0
-[[ " $* " == *" --dry-run "* ]] && DRY_RUN=1  # writes the plan; any machine, no CUDA needed
+[[ " $* " == *" --dry-run "* ]] && DRY_RUN=1
 
-usable() {
-    NEED_CUDA=$((1 - DRY_RUN)) "$1" - <<'PY' 2>/dev/null
-import os, torch, deepspeed, datasets, llmtrain
-assert torch.cuda.is_available() or os.environ["NEED_CUDA"] == "0"
-PY
-}
-
-PY=.venv/bin/python
-if ! { [ -x "$PY" ] && usable "$PY"; }; then
-    VENV=${GPU_CHECK_VENV:-/tmp/llmtrain-gpu-venv}
-    PY="$VENV/bin/python"
-    if ! { [ -x "$PY" ] && usable "$PY"; }; then
-        echo "setting up $VENV over the system python's CUDA torch"
-        python3 -m venv --system-site-packages "$VENV" || exit 1
-        if compgen -G ".whl/*.whl" >/dev/null; then
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
-        fi
-        "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir -e . || exit 1
-        if ! usable "$PY"; then
-            echo "error: no usable environment: $PY cannot import torch (with CUDA), deepspeed, datasets and llmtrain;"
-            echo "       carry the wheels from 'bash scripts/gpu_check.sh --wheels' in .whl/, or run 'make install' where pip can fetch"
-            "$PY" -c "import torch, deepspeed, datasets, llmtrain; print(torch.cuda.is_available())"
-            exit 1
-        fi
-    fi
-fi
-echo "python: $PY ($("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'))"
-
-# DeepSpeed JIT-builds FusedAdam on first use; once here, so the parallel runs below do not race on it.
-if [ "$DRY_RUN" = 0 ]; then
-    timeout 240 "$PY" -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" \
-        || echo "warning: prebuilding FusedAdam failed; the runs will try themselves"
+# No NVIDIA driver at all: say so before looking for an environment.
+if [ "$DRY_RUN" = 0 ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+    && ! compgen -G "/dev/nvidia[0-9]*" >/dev/null && ! compgen -G "/proc/driver/nvidia/gpus/*" >/dev/null; then
+    echo "error: no CUDA device is present (no NVIDIA driver: no nvidia-smi, no /dev/nvidia*); make gpu-check needs an NVIDIA GPU" >&2
+    exit 2
 fi
 
-timeout $(( TIME_LIMIT_S - SECONDS )) "$PY" -m bench.gpu_check "$@"
+PY=${PYTHON:-.venv/bin/python}
+if ! "$PY" -c "import torch, llmtrain" >/dev/null 2>&1; then
+    echo "error: llmtrain is not installed for $PY: run make install (or make install-offline WHEELHOUSE=DIR without network), or name its Python with PYTHON=" >&2
+    exit 2
+fi
+
+# bench.gpu_check checks torch's view of the device (a CPU-only torch build, CUDA_VISIBLE_DEVICES) itself.
+exec "$PY" -m bench.gpu_check "$@"

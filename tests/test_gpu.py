@@ -1,13 +1,15 @@
-"""GPU tests (`pytest -m gpu`, run by `make gpu-check`; skipped without CUDA), and the gpu-check plan.
+"""GPU tests (`pytest -m gpu`, run by `make gpu-check`; skipped without CUDA), and the gpu-check driver.
 
 On a GPU: the fast paths hold there too (no mask, flash/efficient kernels in bf16, the chunked loss),
 the Trainer's step makes exactly the expected host synchronisations (CUDA's sync debug mode), and a
-bf16 ZeRO-1 training step runs end to end with MFU reported.
+bf16 ZeRO-1 training step runs end to end with MFU reported. On any machine: `make gpu-check`'s plan,
+and its one-line refusal where no CUDA device is present.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -26,17 +28,23 @@ REPO = Path(__file__).resolve().parent.parent
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_gpu_check_dry_run_writes_the_plan(tmp_path: Path) -> None:
-    report = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--report", str(report)],
+def _gpu_check(
+    *args: str, cmd: tuple[str, ...] = (sys.executable, "-m", "bench.gpu_check"), **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*cmd, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "PYTHON": sys.executable, **env},
     )
+
+
+def test_gpu_check_dry_run_writes_the_plan(tmp_path: Path) -> None:
+    proc = _gpu_check("--dry-run", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    plan = json.loads(report.read_text())["plan"]
+    plan = json.loads((tmp_path / "gpu.json").read_text())["plan"]
     assert list(plan) == ["environment", "throughput_1b", "tiny_matrix", "gpu_tests"]
     runs = plan["tiny_matrix"]
     assert len(runs) == 8 and all("--preset tiny" in r for r in runs)
@@ -44,6 +52,23 @@ def test_gpu_check_dry_run_writes_the_plan(tmp_path: Path) -> None:
         (str(s), p) for s in range(4) for p in ("bf16", "fp16")
     }
     assert plan["throughput_1b"]["preset"] == "1b"
+
+
+def test_gpu_check_dry_run_without_out_prints_the_plan() -> None:
+    proc = _gpu_check("--dry-run", "--only", "gpu_tests", cmd=("bash", "scripts/gpu_check.sh"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["plan"] == {"gpu_tests": "pytest -q -m gpu tests"}
+
+
+@pytest.mark.parametrize("cmd", [("bash", "scripts/gpu_check.sh"), (sys.executable, "-m", "bench.gpu_check")])
+def test_gpu_check_without_a_cuda_device_refuses_in_one_line(tmp_path: Path, cmd: tuple[str, ...]) -> None:
+    """No device visible (no driver, a CPU-only torch, or CUDA_VISIBLE_DEVICES hiding them): one line,
+    exit 2, nothing written and nothing installed."""
+    proc = _gpu_check("--out", str(tmp_path), cmd=cmd, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no CUDA device is present"), lines
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.gpu
