@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer._click.exceptions import ClickException, UsageError  # typer vendors click
 
 from llmtrain import __version__
 from llmtrain import config as config_mod
@@ -166,10 +165,6 @@ def config_cmd(
     if list_keys:
         _print_keys()
         return
-    from llmtrain.engine import dsconfig
-    from llmtrain.parallel.distributed import select_accelerator
-    from llmtrain.parallel.stages import bubble_fraction
-
     if out is not None:
         check_output_file(out, "--out", force)
     cfg = resolve_config(cfg_args)
@@ -179,15 +174,30 @@ def config_cmd(
     world = world_size if world_size is not None else cfg.world_size
     if world < 1:
         raise ConfigError(f"--world-size: must be at least 1, got {world}")
+    settings = _engine_settings(cfg, world)
+    _emit(json.dumps(settings, indent=2) + "\n", out)
+    if cfg.train.engine != "fsdp2":
+        _describe_layout(cfg, world, settings)
+
+
+def _engine_settings(cfg: config_mod.TrainConfig, world: int) -> dict[str, Any]:
+    """What `train` would build its engine from: FSDP2's plan, or DeepSpeed's config dict."""
     if cfg.train.engine == "fsdp2":
         from llmtrain.engine import fsdp2_plan
 
-        _emit(json.dumps(fsdp2_plan.build(cfg, world), indent=2) + "\n", out)
-        return
-    ds = dsconfig.build(cfg, world, accelerator=select_accelerator())
-    _emit(json.dumps(ds, indent=2) + "\n", out)
+        return fsdp2_plan.build(cfg, world)
+    from llmtrain.engine import dsconfig
+    from llmtrain.parallel.distributed import select_accelerator
+
+    return dsconfig.build(cfg, world, accelerator=select_accelerator())
+
+
+def _describe_layout(cfg: config_mod.TrainConfig, world: int, ds: dict[str, Any]) -> None:
+    """The tp/sp/pp layout and a pipeline's bubble, on stderr: stdout stays the JSON alone."""
+    from llmtrain.parallel.stages import bubble_fraction
+
     layout = cfg.layout(world)
-    if layout.model_parallel > 1:  # on stderr: stdout stays the JSON alone
+    if layout.model_parallel > 1:
         typer.echo(f"layout: {layout.describe()} over {world} processes; {layout.groups()}", err=True)
     if layout.pp > 1:
         m = ds["gradient_accumulation_steps"]
@@ -654,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         print("error: aborted", file=sys.stderr)
         return 130
-    except (UsageError, ClickException) as exc:
+    except typer.TyperException as exc:  # typer's usage errors (it vendors click: no `click` import here)
         return _fail(exc, EXIT_BAD_INPUT, _usage_message(exc))
     except BadInput as exc:
         return _fail(exc, EXIT_BAD_INPUT, str(exc))
@@ -664,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc, 130, "interrupted")
 
 
-def _usage_message(exc: ClickException) -> str:
+def _usage_message(exc: typer.TyperException) -> str:
     message = exc.format_message().replace("\n", " ")
     ctx = getattr(exc, "ctx", None)
     if ctx is not None:
