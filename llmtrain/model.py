@@ -142,7 +142,7 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.save_for_backward(cos, sin)
-        return x * cos + rotate_half(x) * sin
+        return rotated(x, cos, sin)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -152,10 +152,15 @@ class _Rope(torch.autograd.Function):
         return grad * cos + torch.cat((g2, -g1), dim=-1), None, None
 
 
+def rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE's expression: x [..., Hd] rotated by the angles whose cos and sin broadcast against it."""
+    return x * cos + rotate_half(x) * sin
+
+
 def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """RoPE's expression on q and k (what _Rope computes), for torch.compile."""
+    """RoPE on q and k through autograd (what apply_rope computes), for torch.compile to fuse."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotated(q, cos, sin), rotated(k, cos, sin)
 
 
 @functools.cache
@@ -196,8 +201,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = False, attn_mask: Te
     gradients, the flash kernel's forward in that precision and its backward in fp32.
 
     CPU's flash-attention kernel runs its forward fastest in bf16 but its backward about 1.7x slower in
-    bf16 than in fp32 (bench/bench_train.py's profile, AVX-512-bf16 EPYC and AMX Xeon alike), while GPU
-    kernels are fastest in bf16 both ways.
+    bf16 than in fp32 (bench/bench_train.py's profile on an AVX-512-bf16 EPYC), while GPU kernels are
+    fastest in bf16 both ways.
     """
     if q.device.type == "cpu" and q.dtype != torch.float32 and torch.is_grad_enabled():
         out: Tensor = _CpuFlashAttention.apply(q, k, v, is_causal, attn_mask)

@@ -141,8 +141,8 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
         rundir.copy_tokenizer(run_dir, first.tokenizer_path, cfg.data.tokenizer)
     engine = build_engine(cfg, world, settings)
     if world.is_main and cfg.compiles:
-        print("compiling the transformer blocks (torch.compile): the first step takes longer; --no-compile "
-              "skips it", flush=True)  # fmt: skip
+        print("compiling the model with torch.compile: the first step takes longer; --no-compile skips it",
+              flush=True)  # fmt: skip
     if world.is_main and choice is None and cfg.train.init_from is not None:
         source = init_source.parse(cfg.train.init_from).describe()
         print(f"weights from {source}; optimizer and schedule start fresh", flush=True)
