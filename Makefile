@@ -5,7 +5,7 @@ VENV_OK   := .venv/.installed
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install install-offline wheelhouse train test test-fast lint typecheck check bench soak gpu-check ds-configs clean
+.PHONY: install install-offline wheelhouse train test test-random test-fast lint typecheck check bench soak gpu-check ds-configs clean
 
 install: $(VENV_OK)
 
@@ -13,19 +13,31 @@ $(VENV_OK): pyproject.toml
 	@bash scripts/install.sh
 	@touch $@
 
-# tiny (10.1M parameters) on the built-in corpus, bf16 (AMX/AVX-512-bf16 CPUs run it faster than fp32):
-# 300 steps of 8 x 256 tokens (~614k tokens, about one epoch), val loss ~5.35 nats (README: Measured
-# results). Then: .venv/bin/llmtrain generate runs/tiny --prompt "The function"
+# tiny (10.1M parameters) on the built-in corpus in the precision `auto` picks (bf16 where the CPU has native
+# bf16, fp32 on AVX2-only CPUs): 300 steps of 8 x 256 tokens (~614k tokens, about one epoch), val loss ~5.3
+# nats (docs/benchmarks.md). Then: .venv/bin/llmtrain generate runs/tiny --prompt "The function"
+TRAIN_RUN_DIR ?= runs/tiny
 train: $(VENV_OK)
-	.venv/bin/llmtrain train --preset tiny --run-dir runs/tiny --resume auto \
+	.venv/bin/llmtrain train --preset tiny --run-dir $(TRAIN_RUN_DIR) --resume auto \
 		--steps 300 --micro-batch 8 --seq-len 256 --lr 2e-3 --warmup-steps 30 \
 		--eval-every 100 --save-every 100 --log-every 10
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, so its trained
+# references are made once): most multi-process tests wait on process start-up, rendezvous and kills, so
+# two workers finish sooner than one even on two cores. Order: pytest-randomly shuffles files and the
+# tests inside them with TEST_SEED (printed at the top; the same seed gives the same order), so no test
+# may depend on another having run: `make test TEST_SEED=7`, or `make test-random` for a new seed.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+TEST_SEED    ?= 1
+PYTEST_RUN   := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 test: $(VENV_OK)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PYTEST_RUN) --randomly-seed=$(TEST_SEED) -m "not gpu" tests
+
+test-random: $(VENV_OK)
+	$(PYTEST_RUN) --randomly-seed=$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ') -m "not gpu" tests
 
 test-fast: $(VENV_OK)
-	$(PY) -m pytest -q -m "not gpu and not slow" tests
+	$(PY) -m pytest -q -p no:randomly -m "not gpu and not slow" tests
 
 lint: $(VENV_OK)
 	.venv/bin/ruff check llmtrain tests bench

@@ -166,8 +166,15 @@ def copy_tokenizer(run_dir: Path, tokenizer_json: Path, given: str | None = None
         write_atomic(run_dir / TOKENIZER_CONFIG_FILE, config.read_text(encoding="utf-8"))
 
 
+# The CPU flags that decide how fast bf16 and fp32 matmuls run (and so what a speed figure means).
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_fp16")
+# Environment variables that cap the kernels oneDNN and ATen use (`ONEDNN_MAX_CPU_ISA=AVX2` makes an AMX
+# CPU run bf16 like an AVX2-only one): recorded when set, since they change every figure.
+KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+
+
 def environment(world_size: int) -> dict[str, Any]:
-    """Versions, git sha and hardware: what a later reader needs to reproduce the run."""
+    """Versions, commit and hardware: what a later reader needs to reproduce the run or judge a figure."""
     import deepspeed
     import torch
 
@@ -175,13 +182,19 @@ def environment(world_size: int) -> dict[str, Any]:
 
     env: dict[str, Any] = {
         "llmtrain": llmtrain.__version__,
-        "git_sha": _git_sha(),
+        "git_sha": _git(["rev-parse", "HEAD"]),
+        "git_clean": _git_clean(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_flags": _matmul_flags(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "kernel_caps": {name: os.environ[name] for name in KERNEL_CAPS if name in os.environ},
         "world_size": world_size,
         "accelerator": os.environ.get("DS_ACCELERATOR", "cpu"),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
@@ -190,12 +203,51 @@ def environment(world_size: int) -> dict[str, Any]:
     return env
 
 
-def _git_sha() -> str | None:
+def _cpu_model() -> str | None:
+    """/proc/cpuinfo's model name (Linux), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _matmul_flags() -> list[str]:
+    """Which of MATMUL_FLAGS the CPU reports (Linux's /proc/cpuinfo flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    return [flag for flag in MATMUL_FLAGS if flag in flags]
+
+
+def _memory_bytes() -> int | None:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def _git_clean() -> bool | None:
+    """Whether the checkout had no uncommitted change to tracked files (None outside a git checkout)."""
+    status = _git(["status", "--porcelain", "--untracked-files=no"], keep_empty=True)
+    return None if status is None else status == ""
+
+
+def _git(args: list[str], keep_empty: bool = False) -> str | None:
+    """`git ARGS` in llmtrain's own checkout: its stripped output, None outside a checkout or on failure."""
     here = Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False
+            ["git", *args], cwd=here, capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None
+    if out.returncode != 0:
+        return None
+    text = out.stdout.strip()
+    return text if text or keep_empty else None
