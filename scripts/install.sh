@@ -11,16 +11,6 @@ cd "$(dirname "$0")/.."
 started=$SECONDS
 phase() { echo "$1 ($((SECONDS - started)) s)"; }
 
-if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "installing libaio-dev (NVMe offload)"
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 \
-            || echo "warning: libaio-dev could not be installed; NVMe offload will be unavailable"
-    else
-        echo "warning: libaio-dev is missing and cannot be installed without root; NVMe offload is unavailable"
-    fi
-fi
-
 python3 -m venv .venv
 quiet_pip() { .venv/bin/python -m pip install -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 
@@ -43,17 +33,30 @@ else
 fi
 .venv/bin/python -c "import torch, deepspeed, transformers, llmtrain" 2>/dev/null \
     || { echo "error: installation incomplete (import check failed)"; exit 1; }
+# libaio-dev (Debian's) is what DeepSpeed's async_io op (NVMe offload) compiles against: needed only for the
+# op builds below. An apt-get already running (CI installs system packages in the background) goes first.
+while pgrep -x apt-get >/dev/null 2>&1 || pgrep -x dpkg >/dev/null 2>&1; do sleep 2; done
+if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing libaio-dev (NVMe offload)"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 \
+            || echo "warning: libaio-dev could not be installed; NVMe offload will be unavailable"
+    else
+        echo "warning: libaio-dev is missing and cannot be installed without root; NVMe offload is unavailable"
+    fi
+fi
 # DeepSpeed JIT-builds its CPU ops (about a minute each) on first use; build them once here so the
 # first training run or test does not pay for it (and parallel first uses do not race on the build).
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-    echo "building DeepSpeed's CPU ops (cpu_adam, fused_adam, async_io) once"
+    echo "building DeepSpeed's CPU ops (cpu_adam, fused_adam, shared-memory all-reduce, async_io) once"
     DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' || echo "warning: prebuilding DeepSpeed ops failed; they will build on first use"
 import llmtrain  # noqa: F401  (puts TORCH_EXTENSIONS_DIR inside the venv before DeepSpeed builds)
-from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder
+from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
 from deepspeed.ops.op_builder import AsyncIOBuilder
 
 CPUAdamBuilder().load(verbose=False)
 FusedAdamBuilder().load(verbose=False)
+ShareMemCommBuilder().load(verbose=False)  # every multi-process run on one machine all-reduces through it
 if AsyncIOBuilder().is_compatible(verbose=False):
     AsyncIOBuilder().load(verbose=False)
 PY

@@ -57,6 +57,18 @@ def _missing_commands() -> list[str]:
     return [name for name, path in found.items() if path is None]
 
 
+def _wait_for_apt(timeout: float = 600.0) -> None:
+    """Let an apt-get already running finish first (CI installs these packages in the background while
+    the venv is built): a second apt-get would fail on dpkg's lock, and the first may bring what we need."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+        p.info["name"] in ("apt-get", "dpkg") for p in psutil.process_iter(["name"])
+    ):
+        time.sleep(2)
+
+
 def _install(missing: list[str]) -> None:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise Unavailable(f"needs {', '.join(PACKAGES[m] for m in missing)} (apt-get as root to install)")
@@ -140,6 +152,7 @@ def cluster(root: Path) -> Iterator[Cluster]:
     """Start the cluster under ROOT (a fresh directory); stops sshd and removes the host names after."""
     if os.geteuid() != 0:
         raise Unavailable("needs root (to add host names to /etc/hosts and start sshd)")
+    _wait_for_apt()
     missing = _missing_commands()
     if missing:
         _install(missing)
