@@ -687,7 +687,11 @@ def _fail(exc: BaseException, code: int, message: str) -> int:
         import traceback
 
         traceback.print_exception(exc)
-    print(f"error: {message}", file=sys.stderr)
+    # One write call: print() writes the text and its newline separately, and under `python -u` (as
+    # DeepSpeed starts the workers) every rank's stderr is one pipe, so two ranks' lines could interleave
+    # as "error: ... error: ...\n\n" (seen in the failed-save test).
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     return code
 
 
