@@ -198,8 +198,9 @@ def test_all_sources_share_one_tokenizer_trained_on_all_of_them(
 
 
 def test_a_prepared_directory_with_another_tokenizer_is_refused(
-    sources: dict[str, Path], tmp_path: Path
+    parts: list[MixturePart], sources: dict[str, Path], tmp_path: Path
 ) -> None:
+    # `parts` trains the mixture's tokenizer into the cache: the --tokenizer this refusal is measured against.
     toks.train_tokenizer(["alpha beta gamma"] * 20, 300, tmp_path / "other.json")
     prep.prepare_data(str(sources["small"]), tmp_path / "other.json", tmp_path / "prepared", val_fraction=0.0)
     data = DataConfig(
