@@ -24,12 +24,13 @@ train: $(VENV_OK)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one, so its trained
 # references are made once): most multi-process tests wait on process start-up, rendezvous and kills, so
-# two workers finish sooner than one even on two cores. Order: pytest-randomly shuffles files and the
+# two workers finish sooner than one even on two cores. Files are handed out in collection order, which
+# tests/conftest.py puts longest first (--no-loadscope-reorder: xdist would sort them by test count). Order: pytest-randomly shuffles files and the
 # tests inside them with TEST_SEED (printed at the top; the same seed gives the same order), so no test
 # may depend on another having run: `make test TEST_SEED=7`, or `make test-random` for a new seed.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 TEST_SEED    ?= 1
-PYTEST_RUN   := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+PYTEST_RUN   := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 test: $(VENV_OK)
 	$(PYTEST_RUN) --randomly-seed=$(TEST_SEED) -m "not gpu" tests
 

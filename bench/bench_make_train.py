@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,12 +37,18 @@ def run_make_train(scratch: Path, caps: dict[str, str]) -> dict[str, Any]:
     return {**record(run_dir), "wall_seconds": round(wall, 1), "data_cache": "cold (tokenized in the run)"}
 
 
-def main() -> None:
+def main(names: list[str] | None = None) -> None:
+    """Every case, or those named (`python -m bench.bench_make_train make_train_avx2`)."""
+    unknown = sorted(set(names or []) - set(CASES))
+    if unknown:
+        raise SystemExit(f"error: no case {', '.join(unknown)}; cases: {', '.join(CASES)}")
     for name, caps in CASES.items():
+        if names and name not in names:
+            continue
         with tempfile.TemporaryDirectory(prefix=f"llmtrain-{name}-") as scratch:
             result = run_make_train(Path(scratch), caps)
         write_result(result, REPO / "bench" / "results" / f"{name}.json")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
