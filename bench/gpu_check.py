@@ -83,18 +83,16 @@ def cuda_refusal() -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    import psutil
     import torch
+
+    from llmtrain import rundir
 
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
-        "cpu": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        **_commit(),
+        **rundir.machine_facts(),
     }
     try:
         import deepspeed
@@ -109,28 +107,6 @@ def environment() -> dict[str, Any]:
         info["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         info["peak_bf16_flops"] = peak_flops("cuda:0")
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _commit() -> dict[str, Any]:
-    def git(*args: str) -> str | None:
-        try:
-            proc = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return proc.stdout.strip() if proc.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "tree_clean": None if status is None else status == ""}
 
 
 def _run(cmd: list[str], timeout: float, cwd: Path = REPO) -> dict[str, Any]:

@@ -182,25 +182,34 @@ def environment(world_size: int) -> dict[str, Any]:
 
     env: dict[str, Any] = {
         "llmtrain": llmtrain.__version__,
-        "git_sha": _git(["rev-parse", "HEAD"]),
-        "git_clean": _git_clean(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
-        "cpu_flags": _matmul_flags(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_count": os.cpu_count(),
-        "memory_bytes": _memory_bytes(),
-        "kernel_caps": {name: os.environ[name] for name in KERNEL_CAPS if name in os.environ},
+        **machine_facts(),
         "world_size": world_size,
         "accelerator": os.environ.get("DS_ACCELERATOR", "cpu"),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     return env
+
+
+def machine_facts() -> dict[str, Any]:
+    """The commit and the CPU facts a speed figure depends on (also the GPU check's environment)."""
+    import torch
+
+    return {
+        "git_sha": _git(["rev-parse", "HEAD"]),
+        "git_clean": _git_clean(),
+        "cpu_model": _cpu_model(),
+        "cpu_flags": _matmul_flags(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": _memory_bytes(),
+        "kernel_caps": {name: os.environ[name] for name in KERNEL_CAPS if name in os.environ},
+    }
 
 
 def _cpu_model() -> str | None:
