@@ -254,7 +254,9 @@ class LaunchConfig:
         "more environment variables for the workers on every node, comma-separated (names that look "
         "like secrets, e.g. WANDB_API_KEY, go only when named here)",
     )
-    master_port: int = _f(29500, "port of rank 0")
+    master_port: int | None = _f(
+        None, "port of rank 0; none = 29500, or a free port on one node when 29500 is taken"
+    )
     collective_timeout_s: float = _f(600.0, "abort when a collective waits longer than this")
 
 

@@ -6,8 +6,8 @@
   --master-port starts and trains.
 - DeepSpeed's shared-memory all-reduce buffers: a run's start removes those no live process holds open
   or maps, and keeps the others (llmtrain.parallel.shm).
-- A --master-port in use is refused in one line before anything starts; the default one, when in use,
-  gives way to a free port (llmtrain.run.launch).
+- A --master-port in use (29500 too, when typed) is refused in one line before anything starts; without
+  one, 29500 when in use gives way to a free port (llmtrain.run.launch).
 """
 
 from __future__ import annotations
@@ -170,10 +170,18 @@ def test_the_default_master_port_in_use_gives_way_to_a_free_one(
     taken_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(launch, "DEFAULT_MASTER_PORT", taken_port)  # 29500 may be another run's
-    chosen = launch.local_master_port(LaunchConfig(master_port=taken_port))
+    chosen = launch.local_master_port(LaunchConfig())  # no --master-port
     assert chosen != taken_port
     with socket.socket() as probe:
         probe.bind(("", chosen))
+
+
+def test_the_default_port_typed_and_in_use_is_refused_not_swapped(
+    taken_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launch, "DEFAULT_MASTER_PORT", taken_port)
+    with pytest.raises(launch.PortInUse, match=f"--master-port {taken_port} is in use"):
+        launch.local_master_port(LaunchConfig(master_port=taken_port))  # --master-port 29500, typed
 
 
 # ---------------------------------------------------------------- SIGKILL of the command alone

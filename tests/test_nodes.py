@@ -73,6 +73,8 @@ def test_the_launch_files_hold_the_nodes_used_and_the_environment_owner_only(
     assert handoff["env"]["LLMTRAIN_FAULTS"] == "hang@0:1" and "WANDB_API_KEY" not in handoff["env"]
     assert handoff["nodes"] == ["a", "b"] and handoff["processes_per_node"] == 2
     assert (handoff["master_addr"], handoff["master_port"]) == ("a", 29555)
+    with nodes.launch_files(LaunchConfig(gpus=2, nodes=2, hostfile="h"), hosts, tmp_path) as files:
+        assert files.master_port == nodes.DEFAULT_MASTER_PORT == 29500  # the first node's: not probed
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from llmtrain.errors import EXIT_BAD_INPUT, BadInput
 from llmtrain.parallel.distributed import free_port, inside_launcher, select_accelerator
 from llmtrain.quiet import debug_requested
 from llmtrain.run import nodes, orphans
+from llmtrain.run.nodes import DEFAULT_MASTER_PORT
 from llmtrain.run.prepare import PreparedRun, freeze, read_hostfile
 
 
@@ -96,8 +97,7 @@ def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
             stop = functools.partial(
                 nodes.stop_workers, used, [sys.executable, "-u", "-m", "llmtrain", *args]
             )
-        # Rank 0 runs on the hostfile's first node, whose ports cannot be seen from here.
-        return _run_runner(deepspeed_command(cfg, args, files, cfg.launch.master_port), stop)
+        return _run_runner(deepspeed_command(cfg, args, files, files.master_port), stop)
 
 
 def _run_runner(cmd: list[str], stop_remote: Callable[[], None] | None = None) -> int:
@@ -151,8 +151,6 @@ def _is_worker(proc: object) -> bool:
 
 # ---------------------------------------------------------------- the master port
 
-DEFAULT_MASTER_PORT = LaunchConfig().master_port  # DeepSpeed's and torchrun's customary 29500
-
 
 class PortInUse(BadInput):
     """The master port asked for is taken (exit code 2)."""
@@ -160,14 +158,14 @@ class PortInUse(BadInput):
 
 def local_master_port(launch: LaunchConfig) -> int:
     """The port rank 0 listens on, for a launch on this machine. A port in use would fail every rank at
-    start with torch's EADDRINUSE traceback: one asked for is refused in one line, before anything starts;
-    the default (not a choice: one command line cannot tell it from a typed 29500) gives way to a free
-    one, which no other process needs to know on a single node."""
+    start with torch's EADDRINUSE traceback: one asked for (even 29500) is refused in one line, before
+    anything starts; with none asked for, 29500 gives way to a free one when taken, which no other process
+    needs to know on a single node."""
     port = launch.master_port
+    if port is None:
+        return DEFAULT_MASTER_PORT if not _in_use(DEFAULT_MASTER_PORT) else free_port()
     if not _in_use(port):
         return port
-    if port == DEFAULT_MASTER_PORT:
-        return free_port()
     holder = _listener(port)
     by = f" (by pid {holder})" if holder is not None else ""
     flag = flag_for("launch.master_port")

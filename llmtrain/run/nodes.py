@@ -176,11 +176,16 @@ def _addresses_held_by(host: str) -> set[str]:
 # ---------------------------------------------------------------- at launch: the files the runner and workers read
 
 
+# DeepSpeed's and torchrun's customary port of rank 0, when none is asked for.
+DEFAULT_MASTER_PORT = 29500
+
+
 @dataclass(frozen=True)
 class LaunchFiles:
     hostfile: Path
     env_file: Path
     master_addr: str
+    master_port: int
 
 
 def forwarded_environment(environ: dict[str, str], extra_names: list[str]) -> dict[str, str]:
@@ -207,13 +212,15 @@ def launch_files(launch: LaunchConfig, hosts: dict[str, int], run_dir: Path) -> 
     hostfile = folder / HOSTFILE
     write_atomic(hostfile, "".join(f"{host} slots={launch.gpus}\n" for host in used))
     addr = master_addr(launch, used[0])
+    # Rank 0 runs on the first node, whose ports cannot be seen from here: the default is not probed.
+    port = DEFAULT_MASTER_PORT if launch.master_port is None else launch.master_port
     handoff = {
         "env": forwarded_environment(dict(os.environ), forward_names(launch)),
         "path": str(Path(sys.executable).parent),  # the venv's bin: its tools (ninja) before the node's
         "nodes": used,
         "processes_per_node": launch.gpus,
         "master_addr": addr,
-        "master_port": launch.master_port,
+        "master_port": port,
     }
     env_file = folder / ENV_FILE
     env_file.unlink(missing_ok=True)
@@ -221,7 +228,7 @@ def launch_files(launch: LaunchConfig, hosts: dict[str, int], run_dir: Path) -> 
     with os.fdopen(descriptor, "w") as out:
         json.dump(handoff, out, indent=2)
     try:
-        yield LaunchFiles(hostfile=hostfile, env_file=env_file, master_addr=addr)
+        yield LaunchFiles(hostfile=hostfile, env_file=env_file, master_addr=addr, master_port=port)
     finally:
         env_file.unlink(missing_ok=True)
 
