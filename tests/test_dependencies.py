@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Needed at run time although no file imports them.
 RUNTIME_ONLY = {
-    # torch.utils.cpp_extension builds DeepSpeed's ops (cpu_adam for CPU offload, fused_adam on GPUs, async_io
+    # torch.utils.cpp_extension builds DeepSpeed's ops (cpu_adam for CPU offload, fused_adam, async_io
     # for NVMe offload) with ninja the first time a run uses them; scripts/install.sh builds them with it.
     "ninja",
 }
