@@ -52,6 +52,8 @@ if ! { [ -e /usr/include/libaio.h ] || dpkg -s libaio-dev >/dev/null 2>&1; }; th
 fi
 # DeepSpeed JIT-builds its CPU ops (about a minute each) on first use; build them once here so the
 # first training run or test does not pay for it (and parallel first uses do not race on the build).
+# `import llmtrain` first: it puts the venv's torch_extensions folder and its ninja in use, the ones every
+# later run uses (another ninja would rebuild every op: llmtrain/__init__.py).
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     echo "building DeepSpeed's CPU ops (cpu_adam, fused_adam, shared-memory all-reduce, async_io) once"
     DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' || echo "warning: prebuilding DeepSpeed ops failed; they will build on first use"
@@ -60,7 +62,7 @@ from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, Share
 from deepspeed.ops.op_builder import AsyncIOBuilder
 
 CPUAdamBuilder().load(verbose=False)
-FusedAdamBuilder().load(verbose=False)
+FusedAdamBuilder().load(verbose=False)  # the GPU reference configs' Adam: test_dsconfig initialises them
 ShareMemCommBuilder().load(verbose=False)  # every multi-process run on one machine all-reduces through it
 if AsyncIOBuilder().is_compatible(verbose=False):
     AsyncIOBuilder().load(verbose=False)
