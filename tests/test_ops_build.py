@@ -1,0 +1,46 @@
+"""How DeepSpeed's ops are built and loaded by every process: with the venv's ninja whatever PATH the
+process started with (two ninja versions rebuild each other's ops), and DeepSpeed's Muon module imported
+without pulling in TorchInductor, while llmtrain's own torch.compile still compiles. Each check runs in a
+fresh interpreter (about 5 s), since both concern what a process does at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def _run(code: str, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not (VENV_BIN / "ninja").exists(), reason="no ninja beside this interpreter")
+def test_a_process_started_without_the_venv_on_path_builds_with_the_venvs_ninja() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["PATH"] = "/usr/bin:/bin"  # where Debian's ninja would be found first
+    found = _run("import llmtrain, shutil; print(shutil.which('ninja'))", env)
+    assert Path(found) == VENV_BIN / "ninja"
+
+
+def test_deepspeeds_muon_is_imported_without_inductor_and_compile_still_works() -> None:
+    code = (
+        "import os, sys, torch\n"
+        "from llmtrain.engine.ds_engine import _import_deepspeed_muon_uncompiled\n"
+        "_import_deepspeed_muon_uncompiled()\n"
+        "assert 'deepspeed.runtime.zero.muon.muon_optimizer' in sys.modules\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
+        "assert 'TORCHDYNAMO_DISABLE' not in os.environ\n"
+        "compiled = torch.compile(lambda x: x * 2)\n"
+        "assert hasattr(compiled, '_torchdynamo_orig_callable'), 'torch.compile became a no-op'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    env["DS_ACCELERATOR"] = "cpu"
+    assert _run(code, env) == "ok"
