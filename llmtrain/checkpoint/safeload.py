@@ -11,7 +11,6 @@ its `weights_only=False` into True, and (c) loading nothing is an error. llmtrai
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from llmtrain.checkpoint.common import RNG_KEY, STATE_FILE, CheckpointError
 from llmtrain.checkpoint.reading import checkpoint_dir
+from llmtrain.envvar import set_for_block
 
 
 # What DeepSpeed 0.19.8 pickles into its .pt files beyond tensors and builtins, found by saving ZeRO
@@ -76,16 +76,11 @@ def scan_pickles(ckpt_dir: Path) -> None:
 @contextmanager
 def weights_only_loads() -> Iterator[None]:
     """Every torch.load inside, DeepSpeed's `weights_only=False` calls included, is weights-only."""
-    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with torch.serialization.safe_globals(_allowed_globals()):
-            yield
-    finally:
-        if previous is None:
-            del os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"]
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+    with (
+        set_for_block("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1"),
+        torch.serialization.safe_globals(_allowed_globals()),
+    ):
+        yield
 
 
 def load(engine: Any, ckpt_root: Path, tag: str) -> dict[str, Any]:

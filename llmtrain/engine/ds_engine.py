@@ -19,6 +19,7 @@ from llmtrain import checkpoint
 from llmtrain.config import TrainConfig
 from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
+from llmtrain.envvar import set_for_block
 from llmtrain.parallel.layout import process_groups
 from llmtrain.quiet import held_stdout
 
@@ -60,19 +61,8 @@ def _import_deepspeed_muon_uncompiled() -> None:
     TorchInductor: measured 1.2 s of a 7.7 s two-step run on a 2-core CPU, in every process. Imported
     here first with TORCHDYNAMO_DISABLE=1 its decorator is a no-op; DeepSpeed's later imports find the
     module loaded. Called before the model's own blocks are compiled, and the variable is restored."""
-    import os
-
-    previous = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    except ImportError:  # a DeepSpeed without Muon: nothing to skip
-        pass
-    finally:
-        if previous is None:
-            del os.environ["TORCHDYNAMO_DISABLE"]
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = previous
+    with set_for_block("TORCHDYNAMO_DISABLE", "1"), contextlib.suppress(ImportError):
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (a DeepSpeed without Muon: no-op)
 
 
 class DeepSpeedEngine(Engine):

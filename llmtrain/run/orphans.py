@@ -41,6 +41,7 @@ from pathlib import Path
 
 import psutil
 
+from llmtrain.envvar import set_for_block
 from llmtrain.parallel import shm
 
 LAUNCHER_ENV = "LLMTRAIN_LAUNCHER"
@@ -69,15 +70,11 @@ def named_as_launcher() -> Iterator[None]:
     """In the command, around the launch: the workers inherit the variable (on the nodes of a hostfile
     launch through its env.json, which forwards llmtrain's variables). Put back as it was afterwards,
     for a process (a test) that goes on to run something else."""
-    pid, previous = os.getpid(), os.environ.get(LAUNCHER_ENV)
-    os.environ[LAUNCHER_ENV] = json.dumps({"pid": pid, "start": _start_mark(pid), "machine": machine()})
-    try:
+    pid = os.getpid()
+    with set_for_block(
+        LAUNCHER_ENV, json.dumps({"pid": pid, "start": _start_mark(pid), "machine": machine()})
+    ):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(LAUNCHER_ENV, None)
-        else:
-            os.environ[LAUNCHER_ENV] = previous
 
 
 def watch_launcher() -> None:
