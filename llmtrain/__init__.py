@@ -1,6 +1,7 @@
 """llmtrain: train Llama-style language models with DeepSpeed, from one CPU to a GPU cluster."""
 
 import os
+import re
 import sys
 
 __version__ = "0.1.0"
@@ -26,4 +27,20 @@ def _ops_inside_the_venv() -> None:
         os.environ["PATH"] = os.pathsep.join([venv_bin, *(p for p in path if p != venv_bin)])
 
 
+def _arch_list_deepspeed_can_read() -> None:
+    """DeepSpeed's JIT builder (0.19) reads TORCH_CUDA_ARCH_LIST as numbers and fails on the
+    architecture-specific entries torch accepts ("9.0a", "10.0f"): `invalid literal for int() with base 10:
+    '0a'` at the first FusedAdam, so no GPU run starts. Measured on an H200 whose CUDA image sets such a
+    list. The suffix only enables features of one architecture that DeepSpeed's ops do not use, so the
+    plain number builds the same op; entries that are already plain, and "+PTX", are kept."""
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not arch_list:
+        return
+    entries = arch_list.replace(";", " ").split()
+    readable = [re.sub(r"^(\d+\.\d+)[af]", r"\1", entry) for entry in entries]
+    if readable != entries:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(dict.fromkeys(readable))
+
+
 _ops_inside_the_venv()
+_arch_list_deepspeed_can_read()

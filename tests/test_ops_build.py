@@ -44,3 +44,19 @@ def test_deepspeeds_muon_is_imported_without_inductor_and_compile_still_works() 
     env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
     env["DS_ACCELERATOR"] = "cpu"
     assert _run(code, env) == "ok"
+
+
+def test_an_architecture_specific_cuda_arch_list_is_read_by_deepspeeds_jit_builder() -> None:
+    """TORCH_CUDA_ARCH_LIST="9.0a" (set by CUDA images for Hopper) stopped DeepSpeed's FusedAdam build with
+    a ValueError. After `import llmtrain` its JIT builder reads the list (and hands torch the archs to build)."""
+    code = (
+        "import os, llmtrain\n"
+        "from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder\n"
+        "print(os.environ['TORCH_CUDA_ARCH_LIST'])\n"
+        "builder = FusedAdamBuilder()\n"
+        "builder.jit_mode = True\n"
+        "builder.compute_capability_args()\n"
+        "print(os.environ['TORCH_CUDA_ARCH_LIST'])\n"
+    )
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0 9.0a;9.0;10.0f+PTX", "DS_ACCELERATOR": "cuda"}
+    assert _run(code, env).split() == ["8.0;9.0;10.0+PTX", "8.0;9.0;10.0+PTX"]
