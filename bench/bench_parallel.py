@@ -1,8 +1,8 @@
 """Data, tensor and sequence parallelism on two processes: memory per rank and throughput, in one run.
 
 `python -m bench parallel` (defaults) or `python -m bench.bench_parallel [--preset ...]` (flags below).
-Three layouts of the same model on world size 2, ZeRO 1: dp2 (two data-parallel ranks), tp2 (DeepSpeed
-AutoTP: each rank holds half of every attention and MLP matrix) and sp2 (DeepSpeed Ulysses: each rank
+Three layouts of the same model on world size 2, ZeRO 1: dp2 (two data-parallel ranks), tp2 (llmtrain's
+column/row-parallel layers: each rank holds half of every attention and MLP matrix) and sp2 (DeepSpeed Ulysses: each rank
 computes half of every sequence). Each layout is a pair of processes (DeepSpeed's process groups are
 per-process globals, so one process runs one layout), built by `ds_engine.build_engine` as
 `llmtrain train --tp/--sp` builds it; all six processes are alive together and the pairs take steps in

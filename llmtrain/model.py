@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig
 from llmtrain.loss import OutputLayer, label_count
+from llmtrain.parallel import tensor
 
 CheckpointMode = Literal["none", "full", "selective"]
 
@@ -293,10 +294,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
         self.ulysses: nn.Module | None = None
+        self.tp_group: Any = None  # the tensor-parallel group, once parallel.tensor.shard split the weights
         self.compiled = False  # Llama.compile_elementwise: RoPE through torch.compile
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
+        x = tensor.enter(x, self.tp_group)
         # -1 heads: tensor parallelism gives this rank H / tp query and K / tp key/value heads.
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, h, Hd]
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
@@ -307,7 +310,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Ulysses: batch dim 0, RoPE already applied (None).
         y = attend(q, k, v, mask) if self.ulysses is None else self.ulysses(q, k, v, 0, None, mask)
-        return self.o_proj(y.reshape(B, T, -1))  # [B, T, D]
+        return tensor.leave(self.o_proj(y.reshape(B, T, -1)), self.tp_group)  # [B, T, D]
 
 
 class MLP(nn.Module):
@@ -318,11 +321,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp_group: Any = None  # as Attention's
         self.compiled = False  # Llama.compile_elementwise
 
-    def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, F] -> [B, T, D]
+    def forward(self, x: Tensor) -> Tensor:  # [B, T, D] -> [B, T, F / tp] -> [B, T, D]
+        x = tensor.enter(x, self.tp_group)
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(compiled("swiglu")(gate, up) if self.compiled else swiglu(gate, up))
+        out = self.down_proj(compiled("swiglu")(gate, up) if self.compiled else swiglu(gate, up))
+        return tensor.leave(out, self.tp_group)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:

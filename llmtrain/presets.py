@@ -6,7 +6,10 @@ tested against the built model (on the meta device for the large ones).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
+
+from llmtrain.parallel import partition
 
 # Hugging Face LlamaConfig field names, so a preset reads like a config.json.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -107,11 +110,14 @@ def count_parameters(
     **_: Any,
 ) -> int:
     """Parameters of the Llama model with this shape (no biases, RMSNorm weights only)."""
-    head_dim = head_dim or hidden_size // num_attention_heads
-    q_dim, kv_dim = num_attention_heads * head_dim, num_key_value_heads * head_dim
-    attention = hidden_size * q_dim * 2 + hidden_size * kv_dim * 2  # q, o; k, v
-    mlp = 3 * hidden_size * intermediate_size  # gate, up, down
-    norms = 2 * hidden_size
-    embeddings = vocab_size * hidden_size
-    lm_head = 0 if tie_word_embeddings else vocab_size * hidden_size
-    return embeddings + num_hidden_layers * (attention + mlp + norms) + hidden_size + lm_head
+    shape = SimpleNamespace(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return sum(spec.numel for spec in partition.tensors(shape))

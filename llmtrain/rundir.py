@@ -3,7 +3,7 @@
 RUN_DIR/config.yaml       the frozen TrainConfig (written by run.prepare.freeze; workers and `resume` read it)
 RUN_DIR/ds_config.json    the DeepSpeed dict handed to deepspeed.initialize (--engine deepspeed)
 RUN_DIR/fsdp2_plan.json   FSDP2's units, policies, optimizer and batch (--engine fsdp2)
-RUN_DIR/environment.json  library versions, git sha, hardware, world size
+RUN_DIR/environment.json  library versions, git sha, hardware, world size, the layout and its process groups
 RUN_DIR/metrics.jsonl     one record per logged step (train/metrics.py)
 RUN_DIR/curves.png        its loss curves, redrawn at each evaluation and at the end (train/plot.py)
 RUN_DIR/checkpoints/      step_XXXXXXXX/ tags, manifest.json in each, `latest` (the checkpoint package)
@@ -31,6 +31,8 @@ from typing import Any
 
 from llmtrain.config import ConfigError, TrainConfig, dump_yaml, load_run_config
 from llmtrain.fsutil import refuse_foreign_names, write_atomic
+from llmtrain.parallel import mesh
+from llmtrain.parallel.layout import Layout
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
@@ -144,12 +146,13 @@ def load_saved_config(run_dir: Path) -> TrainConfig:
     return load_run_config(path)
 
 
-def write_run_files(run_dir: Path, engine: str, engine_config: dict[str, Any], world_size: int) -> None:
-    """Rank 0 only: the engine's settings (ds_config.json, or fsdp2_plan.json) and environment.json,
-    each written atomically."""
+def write_run_files(run_dir: Path, engine: str, engine_config: dict[str, Any], layout: Layout) -> None:
+    """Rank 0 only: the engine's settings (ds_config.json, or fsdp2_plan.json) and environment.json
+    (with the layout and its mesh's process groups by rank), each written atomically."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / ENGINE_CONFIG_FILES[engine], json.dumps(engine_config, indent=2) + "\n")
-    write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(environment(world_size), indent=2) + "\n")
+    env = {**environment(layout.world_size), "layout": layout.describe(), "mesh": mesh.describe(layout)}
+    write_atomic(run_dir / ENVIRONMENT_FILE, json.dumps(env, indent=2) + "\n")
 
 
 def copy_tokenizer(run_dir: Path, tokenizer_json: Path, given: str | None = None) -> None:

@@ -133,7 +133,7 @@ CASES: dict[str, Case] = {
     ),
     "pp-zero3": Case(f"{T} --gpus 2 --pp 2 --zero 3", "--zero: ZeRO 3 with --pp", RUN),
     "pp-zero0": Case(f"{T} --gpus 2 --pp 2 --zero 0", "--zero: ZeRO 0 with --pp", RUN),
-    "pp-with-tp": Case(f"{T} --gpus 4 --pp 2 --tp 2", "--pp: --pp 2 with --tp/--sp", RUN),
+    "pp-with-sp": Case(f"{T} --gpus 4 --pp 2 --sp 2", "--pp: --pp 2 with --sp 2", RUN),
     "pp-more-stages-than-blocks": Case(
         f"{T} --gpus 4 --pp 4", "--pp: 4 stages for 2 transformer blocks; use at most 2 stages", RUN
     ),

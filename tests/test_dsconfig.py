@@ -159,28 +159,35 @@ def test_config_command_shows_the_tensor_parallel_layout(capsys: pytest.CaptureF
     out = _in_process(capsys, "config", "--preset", "debug", "--gpus", "4", "--tp", "2", "--micro-batch", "2")
     assert out.returncode == 0, out.stderr
     ds = json.loads(out.stdout)  # stdout is the JSON alone
-    tp = ds["tensor_parallel"]
-    assert tp["autotp_size"] == 2
-    specs = {spec["partition_type"]: spec["patterns"] for spec in tp["partition_config"]["layer_specs"]}
-    assert specs == {"column": [dsconfig.TP_COLUMN_PATTERNS], "row": [dsconfig.TP_ROW_PATTERNS]}
+    assert "tensor_parallel" not in ds  # llmtrain's own layers split the model, not DeepSpeed's AutoTP
     # DeepSpeed counts the batch over data-parallel ranks: 2 per rank x dp 2, not x 4 processes.
     assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (4, 1)
-    assert "layout: dp 2 x tp 2 over 4 processes; tp groups [0, 1] [2, 3]" in out.stderr
+    assert (
+        "layout: dp 2 x tp 2 over 4 processes; tp groups [0, 1] [2, 3]; dp groups [0, 2] [1, 3]" in out.stderr
+    )
 
 
-def test_tp_patterns_split_the_projections_and_nothing_else() -> None:
-    import re
-
+def test_the_tp_split_covers_the_projections_and_nothing_else() -> None:
     from llmtrain.model import build_model
+    from llmtrain.parallel.partition import tp_split_dim
 
     names = [n for n, _ in build_model(c.resolve(flags={"preset": "debug"}).model, "meta").named_parameters()]
-    column = {n.split(".")[-2] for n in names if re.match(dsconfig.TP_COLUMN_PATTERNS, n)}
-    row = {n.split(".")[-2] for n in names if re.match(dsconfig.TP_ROW_PATTERNS, n)}
-    assert column == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-    assert row == {"o_proj", "down_proj"}
-    assert not any(
-        re.match(dsconfig.TP_COLUMN_PATTERNS, n) for n in ("embed_tokens.weight", "lm_head.weight")
-    )
+    split = {n.split(".")[-2]: tp_split_dim(n) for n in names if tp_split_dim(n) is not None}
+    assert split == {
+        "q_proj": 0,
+        "k_proj": 0,
+        "v_proj": 0,
+        "gate_proj": 0,
+        "up_proj": 0,
+        "o_proj": 1,
+        "down_proj": 1,
+    }
+    assert [n for n in names if tp_split_dim(n) is None] == [
+        n
+        for n in names
+        if n.split(".")[-2]
+        in ("embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
+    ]
 
 
 def test_zero3_with_sp_reduces_by_all_reduce_in_buckets_holding_the_largest_parameter() -> None:

@@ -9,7 +9,6 @@ collectives, and two such jobs on 2 cores starve each other.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import exportkit
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.checkpoint import weights_only_loads
-from llmtrain.engine.dsconfig import TP_COLUMN_PATTERNS, TP_ROW_PATTERNS
+from llmtrain.parallel.partition import tp_split_dim
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,7 @@ def test_tp_slices_are_put_back_by_column_and_by_row(runs: dict[str, Path]) -> N
     consolidated weight's rank-r block along dim 0 (column-parallel) or 1 (row-parallel) is that slice."""
     full = exportkit.consolidated(runs["tp2"], TAG)
     ckpt = runs["tp2"] / "checkpoints" / TAG
-    dims = {key: _tp_dim(key) for key in full}
+    dims = {key: tp_split_dim(key) for key in full}
     assert list(dims.values()).count(None) == 7  # embed_tokens, lm_head, 5 norms
     for rank in range(2):
         with weights_only_loads():
@@ -75,12 +74,6 @@ def test_tp_slices_are_put_back_by_column_and_by_row(runs: dict[str, Path]) -> N
         for key, dim in dims.items():
             expected = full[key] if dim is None else full[key].chunk(2, dim=dim)[rank]
             assert torch.equal(module[key], expected), (rank, key)
-
-
-def _tp_dim(key: str) -> int | None:
-    if re.match(TP_COLUMN_PATTERNS, key):
-        return 0
-    return 1 if re.match(TP_ROW_PATTERNS, key) else None
 
 
 def test_export_of_a_tp_run_writes_the_one_process_weights(

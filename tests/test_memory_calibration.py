@@ -36,11 +36,12 @@ ENGINE_CASES = [
 ]
 # (stage, offload, precision, tp, sp), built by ds_engine.build_engine with the layout's process groups.
 # They run after ENGINE_CASES in the same launch: DeepSpeed keeps a process's tp and sp groups in module
-# globals for good. Stage 1 is missing: under bf16 its BF16_Optimizer fails the first step with tp or
-# sp (an empty gradient list on one rank; DeepSpeed 0.19.8).
+# globals for good. ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer) with sp is refused (rules.RULES); with
+# llmtrain's own tp layers it trains.
 LAYOUT_CASES = [
     (2, "none", "bf16", 1, 2),
     (2, "none", "bf16", 2, 1),
+    (1, "none", "bf16", 2, 1),
 ]
 # (stage, offload, precision, pp, tied embeddings): DeepSpeed's PipelineEngine (ZeRO 1 only), one stage
 # per rank, built by pipeline.build_engine between ENGINE_CASES and LAYOUT_CASES. bf16 runs

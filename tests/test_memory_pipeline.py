@@ -197,7 +197,7 @@ def test_the_table_prints_the_bubble_and_the_stages(capsys: pytest.CaptureFixtur
         (["--preset", "debug", "--gpus", "2", "--pp", "2", "--zero", "3"], "--zero"),
         (["--preset", "debug", "--gpus", "2", "--pp", "2", "--zero", "2"], "--zero"),
         (["--preset", "debug", "--gpus", "2", "--pp", "2", "--zero", "0"], "--zero"),
-        (["--preset", "debug", "--gpus", "4", "--pp", "2", "--tp", "2"], "--pp"),
+        (["--preset", "debug", "--gpus", "4", "--pp", "2", "--sp", "2"], "--pp"),
         (["--preset", "debug", "--gpus", "4", "--pp", "4"], "--pp"),  # 4 stages for 2 blocks
         (["--preset", "debug", "--gpus", "3", "--pp", "2"], "--pp"),  # 2 does not divide 3
         (["--params", "7e9", "--gpus", "2", "--pp", "2"], "--pp"),  # no shape to cut into stages

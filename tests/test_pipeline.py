@@ -1,9 +1,10 @@
 """Pipeline parallelism on DeepSpeed's pipeline engine (CPU, gloo, ZeRO 1).
 
 - Trajectories (fp32, 10 steps): pp 2 on 2 processes under 1F1B and GPipe, with untied and tied
-  embeddings and with document masking, and dp 2 x pp 2 on 4, give the losses of one process on the
-  same global batch to a relative 1e-5; GPipe's equal 1F1B's bitwise (same accumulation order).
-- bf16 with ZeRO 1 trains under pp 2.
+  embeddings and with document masking, and dp 2 x pp 2 and tp 2 x pp 2 (llmtrain's tensor-parallel
+  layers inside each stage) on 4, give the losses of one process on the same global batch to a
+  relative 1e-5; GPipe's equal 1F1B's bitwise (same accumulation order).
+- bf16 with ZeRO 1 trains under pp 2 and tp 2 x pp 2, following one bf16 process to 1e-3.
 - A NaN loss on the first stage (which computes no loss itself) skips that update on every rank.
 - Through the command line: SIGKILL mid-run and `resume` under `--pp 2` give every step's loss, lr and
   grad norm bitwise equal to the uninterrupted run's; resuming with another pipeline degree is refused.
@@ -67,7 +68,11 @@ TWO: dict[str, tuple[str, dict[str, Any]]] = {
     "pp2_tied": ("batch8_tied", {**PP2, **TIED}),
     "pp2_docs": ("batch8_docs", {**PP2, **DOCS}),
 }
-FOUR: dict[str, tuple[str, dict[str, Any]]] = {"dp2_pp2": ("batch8", PP2)}
+TP2 = {"parallel.tp": 2}
+FOUR: dict[str, tuple[str, dict[str, Any]]] = {
+    "dp2_pp2": ("batch8", PP2),
+    "tp2_pp2": ("batch8", {**PP2, **TP2}),
+}
 
 # Rank 0 is the first stage: it has no loss of its own, yet its poisoned share must skip the step.
 NAN_FAULT, NAN_STEPS = "nan_loss@0:1", 4
@@ -107,7 +112,9 @@ def trajectories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     out = launch(_train, 1, REFERENCES)
     out.update(launch(_train_two, 2, {**{n: f for n, (_, f) in TWO.items()}, "pp2_bf16": {**PP2, **BF16}}))
-    out.update(launch(_train, 4, {n: f for n, (_, f) in FOUR.items()}))
+    out.update(
+        launch(_train, 4, {**{n: f for n, (_, f) in FOUR.items()}, "tp2_pp2_bf16": {**PP2, **TP2, **BF16}})
+    )
     return out
 
 
@@ -130,8 +137,9 @@ def test_the_references_differ_where_the_model_or_data_does(trajectories: dict[s
     assert _rel_diff(trajectories["batch8_docs"], trajectories["batch8"]) > 1e-4
 
 
-def test_bf16_zero1_pipeline_trains(trajectories: dict[str, Any]) -> None:
-    got = trajectories["pp2_bf16"]
+@pytest.mark.parametrize("name", ["pp2_bf16", "tp2_pp2_bf16"])
+def test_bf16_zero1_pipeline_trains(trajectories: dict[str, Any], name: str) -> None:
+    got = trajectories[name]
     assert len(got) == BF16["train.steps"] and all(math.isfinite(x) for x in got)
     assert got[-1] < got[0]
     # The one-process bf16 run's losses, up to bf16 rounding of the pipeline's own summation order.
@@ -207,3 +215,18 @@ def test_sigkill_then_resume_is_bitwise_exact_under_pp(tmp_path: Path) -> None:
     run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
     assert_resumed_bitwise(reference, killed, KILL_STEPS)
     assert np.isfinite(list(losses(killed).values())).all()
+
+
+def test_sigkill_then_resume_is_bitwise_exact_under_tp_and_pp(tmp_path: Path) -> None:
+    """tp 2 x pp 2 on 4 processes: DeepSpeed's per-layer, per-tp-rank files restore every rank's slices
+    (about a minute on 2 cores)."""
+    layout = [*PIPELINE, "--tp", "2"]
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    run_ok(
+        train_args(reference, KILL_STEPS, SAVE_EVERY, *layout, gpus=4), tmp_path / "reference.log", TIMEOUT_S
+    )
+    args = train_args(killed, KILL_STEPS, SAVE_EVERY, *layout, gpus=4)
+    kill_after_a_checkpoint(args, killed, tmp_path / "killed.log", SAVE_EVERY, TIMEOUT_S)
+    assert last_logged_step(killed) < KILL_STEPS, "the run ended before the kill"
+    run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
+    assert_resumed_bitwise(reference, killed, KILL_STEPS)

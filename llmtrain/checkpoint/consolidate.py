@@ -4,9 +4,9 @@ DeepSpeed's zero_to_fp32 covers ZeRO-2/3 but not stage 0 (weights live in the mo
 master copy in the optimizer) nor ZeRO-1 with DeepSpeed's BF16_Optimizer (shards without `zero_stage`):
 those two are reassembled here. Every file is pickle-scanned first and loaded weights-only.
 
-With tensor parallelism (AutoTP) each tp rank's files (`mp_rank_XX`) hold a data-parallel checkpoint of
-that rank's slices: each rank is consolidated as above, then every parameter is rebuilt from its slices
-by the layout DeepSpeed saved with it (its affine map: full shape, which block each rank holds).
+With tensor parallelism each tp rank's files (`mp_rank_XX`) hold a data-parallel checkpoint of that
+rank's slices: each rank is consolidated as above, then every parameter is rebuilt from its slices along
+the dim parallel.partition splits it.
 
 A pipeline checkpoint (PipelineEngine, ZeRO 1: `layer_NN-model_states.pt` files) uses `mp_rank_XX` for
 the pipeline stage, not a tp rank: each stage's fp32 masters are cut from its optimizer shards and
@@ -30,6 +30,7 @@ from llmtrain.checkpoint.common import CheckpointError
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 from llmtrain.parallel import stages
+from llmtrain.parallel.partition import tp_split_dim
 
 
 def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -44,7 +45,7 @@ def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.T
         if info.engine == "fsdp2":
             state = {name: t.float() for name, t in dcp.full_tensors(path, prefix="model.").items()}
         elif _is_pipeline_checkpoint(path):
-            state = _pipeline_fp32(path, info.partitioned)
+            state = _tp_pipeline_fp32(path, info.partitioned)
         else:
             state = _tp_fp32(path, info.partitioned)
     return {name: tensor.detach() for name, tensor in state.items()}
@@ -93,49 +94,20 @@ def _tp_rank_view(path: Path, rank: int, tmp: Path) -> Path:
 
 
 def _merge_tp_slices(path: Path, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each parameter rebuilt from its per-tp-rank slices by the affine map DeepSpeed saved for it.
-
-    The map gives the full shape and the block of it each rank holds (AutoTP: dim 0 of column-parallel
-    weights, dim 1 of row-parallel ones, all of a replicated one), so no name pattern is needed here.
-    Replicated parameters must be equal on every rank; `rebuild` refuses them otherwise. A tied alias
-    (lm_head.weight of tied embeddings) has no map and only rank 0 lists it: it is re-pointed at its
-    source afterwards.
-    """
-    from deepspeed.checkpoint.affine import ParamAffineMap
-
-    maps, aliases = _tp_layout(path)
+    """Each parameter rebuilt from its per-tp-rank slices, concatenated in tp-rank order along the dim
+    parallel.partition splits it (the table the model was sharded by). A parameter every rank holds
+    whole must be equal on every rank, or the checkpoint is refused."""
     out: dict[str, torch.Tensor] = {}
-    for name in (name for name in slices[0] if name not in aliases):
-        pattern = next((p for p in maps if re.match(p, name)), None)  # anchored: ^name$
-        if pattern is None:
-            raise CheckpointError(f"{path}: DeepSpeed saved no tensor-parallel layout for {name}")
-        shards = {rank: state[name] for rank, state in enumerate(slices)}
-        out[name] = ParamAffineMap.from_dict(maps[pattern]).rebuild(shards)
-    for alias, source in aliases.items():
-        out[alias] = out[source]
+    for name, first in slices[0].items():
+        parts = [first, *(state[name] for state in slices[1:])]
+        dim = tp_split_dim(name)
+        if dim is not None:
+            out[name] = torch.cat(parts, dim)
+        elif all(torch.equal(first, part) for part in parts[1:]):
+            out[name] = first
+        else:
+            raise CheckpointError(f"{path}: {name} is whole on every tp rank, yet differs between ranks")
     return out
-
-
-def _tp_layout(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """From tp rank 0's model file: DeepSpeed's per-parameter layouts (name regex -> affine map) and
-    the tied aliases (alias -> source name)."""
-    from deepspeed.checkpoint.affine import AFFINE_MAP_FORMAT_VERSION
-    from deepspeed.checkpoint.constants import (
-        AFFINE_MAP,
-        AFFINE_MAP_PARAMS,
-        AFFINE_MAP_VERSION,
-        UNIVERSAL_CHECKPOINT_INFO,
-    )
-
-    model_file = min(path.glob("*mp_rank_00_model_states.pt"))
-    sd = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)
-    info = (sd.get(UNIVERSAL_CHECKPOINT_INFO) or {}).get(AFFINE_MAP) or {}
-    if not info.get(AFFINE_MAP_PARAMS) or info.get(AFFINE_MAP_VERSION, 0) > AFFINE_MAP_FORMAT_VERSION:
-        raise CheckpointError(
-            f"{model_file}: no tensor-parallel layout this DeepSpeed can read (affine map version "
-            f"{info.get(AFFINE_MAP_VERSION)}); cannot merge the tp slices"
-        )
-    return dict(info[AFFINE_MAP_PARAMS]), dict(sd.get("shared_params") or {})
 
 
 def _optim_files(path: Path, mp_rank: int = 0) -> list[Path]:
@@ -242,8 +214,41 @@ _LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
 _PIPE_NAME = re.compile(r"(?:(\d+)|tied_modules\.[^.]+)\.(.+)")
 
 
+_TP_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+
+
 def _is_pipeline_checkpoint(path: Path) -> bool:
     return any(path.glob("layer_*-model_states.pt"))
+
+
+def _tp_pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
+    """A pipeline checkpoint with tensor parallelism inside its stages (layer files named
+    `layer_NN-model_TT-`): each tp rank's files seen as a pipeline without tp, consolidated, then the
+    slices merged; without tp, the pipeline consolidated as it is."""
+    tp_ranks = {int(m.group(2)) for p in path.glob("layer_*") if (m := _TP_LAYER_FILE.fullmatch(p.name))}
+    if not tp_ranks:
+        return _pipeline_fp32(path, partitioned)
+    tp = len(tp_ranks)
+    stages_count = len(_mp_ranks(path, "model-parallel ranks")) // tp
+    with tempfile.TemporaryDirectory(prefix="llmtrain_tp_pp_") as tmp:
+        views = [_tp_pipeline_view(path, t, tp, stages_count, Path(tmp)) for t in range(tp)]
+        return _merge_tp_slices(path, [_pipeline_fp32(view, partitioned) for view in views])
+
+
+def _tp_pipeline_view(path: Path, t: int, tp: int, stages_count: int, tmp: Path) -> Path:
+    """Links to tp rank `t`'s files, renamed as a pipeline without tp has them: its layer files without
+    the model axis, and model-parallel rank s * tp + t (DeepSpeed's grid numbers a replica's ranks stage
+    by stage, tp innermost) as stage s."""
+    view = tmp / f"tp{t}" / path.name
+    view.mkdir(parents=True)
+    for file in path.glob(f"layer_*-model_{t:02d}-model_states.pt"):
+        (view / file.name.replace(f"-model_{t:02d}-", "-")).symlink_to(file.resolve())
+    for stage in range(stages_count):
+        mp_rank = stage * tp + t
+        for file in path.glob(f"*mp_rank_{mp_rank:02d}_*.pt"):
+            renamed = file.name.replace(f"mp_rank_{mp_rank:02d}_", f"mp_rank_{stage:02d}_")
+            (view / renamed).symlink_to(file.resolve())
+    return view
 
 
 def _pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
@@ -277,7 +282,7 @@ def _pipeline_layers(path: Path) -> tuple[dict[str, torch.Tensor], int]:
     for file in sorted(path.glob("layer_*-model_states.pt")):
         match = _LAYER_FILE.fullmatch(file.name)
         if match is None:
-            raise CheckpointError(f"{file}: a layer file of a tensor-parallel pipeline, not supported")
+            raise CheckpointError(f"{file}: not a pipeline layer file (layer_NN-model_states.pt)")
         layers[int(match.group(1))] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     num_blocks = _num_blocks(path, layers)
     saved = {

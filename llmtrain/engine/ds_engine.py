@@ -20,7 +20,8 @@ from llmtrain.config import TrainConfig
 from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.envvar import set_for_block
-from llmtrain.parallel.layout import process_groups
+from llmtrain.parallel import tensor as tensor_parallel
+from llmtrain.parallel.mesh import process_groups
 from llmtrain.quiet import held_stdout
 
 
@@ -30,15 +31,18 @@ def build_engine(
     """The model built on `device`, wrapped by deepspeed.initialize with the optimizer's param groups
     and the process groups of the run's layout over `world_size` ranks.
 
-    Every rank builds the whole model from the same seed; AutoTP then keeps each rank's slices, so a
-    tensor-parallel run starts from exactly the weights of a one-process run. With `train.init_from`
-    the weights are the source's (engine.pretrained; under ZeRO 3 partitioned as they are built).
+    Every rank builds the whole model from the same seed, then keeps its tensor-parallel slices
+    (parallel.tensor), so a tensor-parallel run starts from exactly the weights of a one-process run.
+    With `train.init_from` the weights are the source's (engine.pretrained; under ZeRO 3 partitioned as
+    they are built).
     """
     import deepspeed
 
     _import_deepspeed_muon_uncompiled()
     mpu = process_groups(cfg.layout(world_size))
     model = pretrained.model_for(cfg, device, ds_config)
+    if cfg.parallel.tp > 1:
+        tensor_parallel.shard(model, mpu.get_tensor_model_parallel_group())
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     if cfg.parallel.sp > 1:
         model.set_sequence_parallel(mpu.get_sequence_parallel_group())

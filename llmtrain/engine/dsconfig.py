@@ -57,32 +57,9 @@ def build(
         "zero_allow_untested_optimizer": True,
     }
     ds.update(_precision(cfg, accelerator))
-    if layout.tp > 1:
-        ds["tensor_parallel"] = _tensor_parallel(layout.tp)
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds
-
-
-# AutoTP's partition of llmtrain's Llama (model.py's names, which are Hugging Face's): the projections
-# into heads and into the MLP are split by output rows (column-parallel), the projections back to the
-# hidden size by input columns (row-parallel, one all-reduce after each). Norms, the embedding and the
-# output layer stay whole on every rank, so the chunked loss needs nothing of tp.
-TP_COLUMN_PATTERNS = r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$"
-TP_ROW_PATTERNS = r".*\.(o_proj|down_proj)\.weight$"
-
-
-def _tensor_parallel(tp: int) -> dict[str, Any]:
-    return {
-        "autotp_size": tp,
-        "partition_config": {
-            "use_default_specs": False,
-            "layer_specs": [
-                {"patterns": [TP_COLUMN_PATTERNS], "partition_type": "column"},
-                {"patterns": [TP_ROW_PATTERNS], "partition_type": "row"},
-            ],
-        },
-    }
 
 
 def _optimizer(cfg: TrainConfig, accelerator: str) -> dict[str, Any]:

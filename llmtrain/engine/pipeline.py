@@ -47,7 +47,9 @@ from llmtrain.model import (
     rope_inv_freq,
 )
 from llmtrain.parallel import stages
-from llmtrain.parallel.layout import process_groups
+from llmtrain.parallel import tensor as tensor_parallel
+from llmtrain.parallel.layout import Layout
+from llmtrain.parallel.mesh import process_groups
 from llmtrain.quiet import held_stdout
 
 TIED_KEY = "embed"
@@ -174,7 +176,7 @@ def layer_specs(cfg: TrainConfig, device: torch.device) -> list[Any]:
     return [embed, *blocks, LayerSpec(NormStage, m, device), head]
 
 
-def build_pipeline(cfg: TrainConfig, device: torch.device) -> LlamaPipeline:
+def build_pipeline(cfg: TrainConfig, device: torch.device, layout: Layout) -> LlamaPipeline:
     """This rank's stage of the model, initialised as a one-process build from the run's seed."""
     # DeepSpeed prints its seeds and topology (held back: stdout is the run's progress), and broadcasts
     # a tied embedding in place (outside autograd: the weights are initialised below).
@@ -183,7 +185,7 @@ def build_pipeline(cfg: TrainConfig, device: torch.device) -> LlamaPipeline:
             cfg.model,
             cfg.parallel.pp_partition,
             layer_specs(cfg, device),
-            num_stages=cfg.parallel.pp,
+            topology=pipeline_topology(layout),
             partition_method="parameters",  # not read: LlamaPipeline partitions
         )
     if cfg.train.init_from is None:
@@ -195,6 +197,17 @@ def build_pipeline(cfg: TrainConfig, device: torch.device) -> LlamaPipeline:
             if isinstance(module, BlockStage):
                 module.compile()
     return pipe
+
+
+def pipeline_topology(layout: Layout) -> Any:
+    """DeepSpeed's topology of the layout, whose rank order (pipe outermost, model = tp innermost) is the
+    mesh's (rules refuse sp beside pp). Without tp, the (pipe, data) one: its layer files then keep the
+    names they have without tensor parallelism (`layer_NN-model_states.pt`)."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+
+    if layout.tp == 1:
+        return PipeDataParallelTopology(num_pp=layout.pp, num_dp=layout.dp)
+    return PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
 
 
 def named_parameters(pipe: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -301,13 +314,17 @@ def _accumulated_gradients(engine: Any) -> Iterator[Tensor]:
 def build_engine(
     cfg: TrainConfig, ds_config: dict[str, Any], device: torch.device, world_size: int
 ) -> PipelineEngine:
-    """This rank's pipeline stage in DeepSpeed's PipelineEngine (the module builds its own process
-    groups, over DeepSpeed's communication layer: process_groups adopts torch's group into it), running
-    the configured schedule."""
+    """This rank's pipeline stage in DeepSpeed's PipelineEngine, running the configured schedule. The
+    module builds its own process groups (its grid, from the mesh's topology) over DeepSpeed's
+    communication layer, into which process_groups adopts torch's group; under tp the stage's blocks
+    are split over the mesh's tensor group, the same ranks as the grid's model axis."""
     import deepspeed
 
-    process_groups(cfg.layout(world_size))
-    pipe = build_pipeline(cfg, device)
+    layout = cfg.layout(world_size)
+    mesh = process_groups(layout)
+    pipe = build_pipeline(cfg, device, layout)
+    if mesh is not None:  # tensor parallelism inside each stage, over the mesh's tensor group
+        tensor_parallel.shard(pipe, mesh.get_tensor_model_parallel_group())
     groups = param_groups(named_parameters(pipe), cfg.optim.weight_decay)
     with held_stdout():  # the bf16 optimizer prints memory reports
         engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)

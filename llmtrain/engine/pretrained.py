@@ -125,8 +125,8 @@ def model_for(cfg: TrainConfig, device: torch.device, ds_config: dict[str, Any] 
 
 
 def zero3_partitioned_build(cfg: TrainConfig) -> bool:
-    """ZeRO 3 over plain data parallelism: AutoTP slices a whole model, and Ulysses' groups are not
-    zero.Init's default one."""
+    """ZeRO 3 over plain data parallelism: tensor parallelism slices a whole model, and Ulysses' groups
+    are not zero.Init's default one."""
     return cfg.zero.stage == 3 and cfg.parallel.tp == 1 and cfg.parallel.sp == 1
 
 

@@ -12,7 +12,7 @@ saved-tensor hooks in tests/test_memory_calibration.py):
 * Activations are the bytes autograd saves for backward in llmtrain.model, per layer, per checkpointing
   mode; logits are computed in chunks of LOSS_CHUNK_ROWS rows, so only one chunk's fp32 logits exist, and
   the fused loss holds the output weight's gradient (fp32 sum) from the end of forward.
-* Tensor parallelism (tp, AutoTP) leaves each rank 1/tp of every layer's q, k, v, o, gate, up and down
+* Tensor parallelism (tp, parallel.partition's split) leaves each rank 1/tp of every layer's q, k, v, o, gate, up and down
   matrices (the embedding, lm_head and norms stay whole), and ZeRO partitions what a rank holds over the
   data-parallel ranks only. Sequence parallelism (sp, Ulysses) replicates the parameters over sp ranks and
   ZeRO partitions over dp x sp; each rank's activations hold seq_len / sp tokens.
@@ -53,6 +53,7 @@ from llmtrain.memory.pipeline import (
     in_flight,
     stage_spans,
 )
+from llmtrain.parallel import partition
 from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.stages import bubble_fraction
 from llmtrain.presets import count_parameters
@@ -140,7 +141,7 @@ class Setup:
     @cached_property
     def spans(self) -> list[StageSpan]:
         """The pipeline's stages (one without --pp): blocks, embedding/head and parameters of each."""
-        return stage_spans(self.cfg.model, self.layout.pp, self.cfg.parallel.pp_partition)
+        return stage_spans(self.cfg.model, self.layout.pp, self.cfg.parallel.pp_partition, self.layout.tp)
 
     @property
     def state_span(self) -> StageSpan:
@@ -260,16 +261,9 @@ def _planned_precision(cfg: TrainConfig) -> TrainConfig:
 
 def parameter_tensors(model: ModelConfig, tp: int = 1) -> list[int]:
     """Element counts of every parameter tensor of llmtrain.model.Llama (a tied lm_head counted once) that
-    one rank holds under tensor parallelism of degree `tp`: dsconfig's AutoTP patterns split each layer's
-    q, k, v, o, gate, up and down matrices into tp slices; norms, the embedding and lm_head stay whole."""
-    d, kv, f = model.hidden_size, model.num_key_value_heads * model.head_width, model.intermediate_size
-    q = model.num_attention_heads * model.head_width
-    split = [d * q, d * kv, d * kv, q * d, d * f, d * f, f * d]  # q, k, v, o, gate, up, down
-    layer = [d, d] + [n // tp for n in split]  # two RMSNorm weights, then the split matrices
-    tensors = [model.vocab_size * d] + layer * model.num_hidden_layers + [d]
-    if not model.tie_word_embeddings:
-        tensors.append(model.vocab_size * d)
-    return tensors
+    one rank holds under tensor parallelism of degree `tp`, as parallel.partition splits them: each
+    layer's q, k, v, o, gate, up and down matrices into tp slices; norms, the embedding and lm_head whole."""
+    return [spec.per_rank(tp) for spec in partition.tensors(model)]
 
 
 # ---------------------------------------------------------------- model states (per rank)

@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass
 
 from llmtrain.config import ModelConfig, PipeSchedule
+from llmtrain.parallel import partition
+from llmtrain.parallel.partition import block_parameters
 from llmtrain.parallel.stages import EMBED, HEAD, pipeline_layers, stage_bounds
 
 SCHEDULES = typing.get_args(PipeSchedule)
@@ -36,11 +38,13 @@ class StageSpan:
         return range(self.first_block, self.first_block + self.blocks)
 
 
-def stage_spans(model: ModelConfig, pp: int, method: str) -> list[StageSpan]:
+def stage_spans(model: ModelConfig, pp: int, method: str, tp: int = 1) -> list[StageSpan]:
     """The `pp` stages of `model` under partition `method` ("parameters" or "blocks"); pp 1 is one
-    stage holding everything."""
+    stage holding everything. The cut is the engine's (by whole layers, the same on every tp rank);
+    `parameters` is what one rank of the stage holds under tensor parallelism of degree `tp`."""
     layers = pipeline_layers(model)
     bounds = stage_bounds(layers, pp, method)
+    block_per_rank = block_parameters(model, tp)
     spans = []
     blocks_before = 0
     for s in range(pp):
@@ -53,8 +57,10 @@ def stage_spans(model: ModelConfig, pp: int, method: str) -> list[StageSpan]:
                 blocks=blocks,
                 embedding=any(layer.kind == EMBED for layer in held),
                 head=any(layer.kind == HEAD for layer in held),
-                parameters=sum(layer.parameters for layer in held),
-                largest_tensor=max(_largest_tensor(model, layer.kind) for layer in held),
+                parameters=sum(
+                    block_per_rank if layer.kind == "block" else layer.parameters for layer in held
+                ),
+                largest_tensor=max(_largest_tensor(model, layer.kind, tp) for layer in held),
             )
         )
         blocks_before += blocks
@@ -71,12 +77,13 @@ def describe_span(span: StageSpan) -> str:
     return ", ".join(parts)
 
 
-def _largest_tensor(model: ModelConfig, kind: str) -> int:
+def _largest_tensor(model: ModelConfig, kind: str, tp: int) -> int:
+    """Elements of the largest parameter tensor one rank holds of a layer of this kind."""
     d = model.hidden_size
     if kind in (EMBED, HEAD):
         return model.vocab_size * d
-    if kind == "block":  # q/o (d x d) or an MLP matrix (d x intermediate); k and v are at most d x d
-        return d * max(d, model.intermediate_size)
+    if kind == "block":
+        return max(spec.per_rank(tp) for spec in partition.tensors(model) if spec.block == 0)
     return d  # the final norm
 
 

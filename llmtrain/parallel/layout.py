@@ -4,15 +4,15 @@ Rank r = ((p * dp + d) * sp + s) * tp + t for pipeline stage p, data-parallel in
 index s and tensor-parallel index t: tensor parallelism innermost, as Megatron and DeepSpeed place it
 (its all-reduces run in every layer, so its ranks should be the closest ones: one node, NVLink), and
 pipeline stages outermost, as DeepSpeed's pipeline topology numbers them (a stage boundary carries one
-activation per micro-batch, the cheapest traffic to put across nodes). At most one of tp, sp and pp is
-above 1 (rules.RULES), so a rank's tp or sp group is `tp * sp` consecutive ranks.
+activation per micro-batch, the cheapest traffic to put across nodes). `groups_along` lists the groups of
+any set of axes; parallel.mesh builds the process groups from it.
 
 - Data: the ranks of one model-parallel group read the same samples. The loader's rank is d and its
-  world dp; tp ranks compute on identical inputs (DeepSpeed checks it on the first batch), sp ranks
+  world dp; tp ranks compute on identical inputs, sp ranks
   each keep their slice of the same sequences (the model cuts it: `Llama.set_sequence_parallel`).
-- DeepSpeed: the groups reach `deepspeed.initialize` as its `mpu` argument. For tp that is DeepSpeed's
-  own (dp, tp) mesh (`deepspeed.utils.groups`, which AutoTP partitions over in any case); for sp,
-  DeepSpeed's Ulysses groups (`parallel_state_sp`): ZeRO then shards and reduces over the dp x sp
+- DeepSpeed: the groups reach `deepspeed.initialize` as its `mpu` argument (parallel.mesh). For tp that
+  is llmtrain's mesh: ZeRO shards over the data group, the gradient norm sums over the model group; for
+  sp, DeepSpeed's Ulysses groups (`parallel_state_sp`): ZeRO then shards and reduces over the dp x sp
   ranks and divides by dp only, so the sp ranks' partial gradients add up. Without an mpu, DeepSpeed
   skips the gradient synchronisation of sp ranks and counts tp ranks as data-parallel ones.
 - Pipeline: the first and last stages of each pipeline read the samples of data rank d (the first
@@ -22,7 +22,6 @@ above 1 (rules.RULES), so a rank's tp or sp group is `tp * sp` consecutive ranks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
@@ -44,18 +43,28 @@ class Layout:
     def dp(self) -> int:
         return self.world_size // self.model_parallel
 
+    def sizes(self) -> dict[str, int]:
+        """Each axis's degree, outermost first (the rank order)."""
+        return {"pp": self.pp, "dp": self.dp, "sp": self.sp, "tp": self.tp}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along each axis: {"pp": p, "dp": d, "sp": s, "tp": t}."""
+        out: dict[str, int] = {}
+        for axis, size in reversed(self.sizes().items()):  # innermost first
+            rank, out[axis] = divmod(rank, size)
+        return {axis: out[axis] for axis in self.sizes()}
+
+    def groups_along(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only along `axes` (each group in rank order): ("tp",) gives the
+        tensor-parallel groups, ("dp", "sp") ZeRO's."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            fixed = tuple(i for axis, i in self.coordinates(rank).items() if axis not in axes)
+            groups.setdefault(fixed, []).append(rank)
+        return list(groups.values())
+
     def data_rank(self, rank: int) -> int:
-        return (rank % (self.dp * self.tp * self.sp)) // (self.tp * self.sp)
-
-    def stage(self, rank: int) -> int:
-        """The pipeline stage of `rank` (0 without pipeline parallelism)."""
-        return rank // (self.dp * self.tp * self.sp)
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def sp_rank(self, rank: int) -> int:
-        return (rank // self.tp) % self.sp
+        return self.coordinates(rank)["dp"]
 
     def describe(self) -> str:
         """`dp 2 x tp 2`: the degrees above 1 (dp always)."""
@@ -64,15 +73,14 @@ class Layout:
         return " x ".join(parts)
 
     def groups(self) -> str:
-        """The model-parallel groups by rank, as DeepSpeed is given them: `tp groups [0, 1] [2, 3]`,
-        or a pipeline's stages: `pp groups [0, 2] [1, 3]`."""
-        if self.pp > 1:
-            pipes = [list(range(d, self.world_size, self.dp)) for d in range(self.dp)]
-            return "pp groups " + " ".join(str(r) for r in pipes)
-        axis = "tp" if self.tp > 1 else "sp"
-        size = self.model_parallel
-        ranks = [list(range(start, start + size)) for start in range(0, self.world_size, size)]
-        return f"{axis} groups " + " ".join(str(r) for r in ranks)
+        """The groups of each axis above 1 by rank, model-parallel axes first, as the mesh builds them:
+        `tp groups [0, 1] [2, 3]; dp groups [0, 2] [1, 3]`."""
+        sizes = self.sizes()
+        return "; ".join(
+            f"{axis} groups " + " ".join(str(group) for group in self.groups_along((axis,)))
+            for axis in ("tp", "sp", "pp", "dp")
+            if sizes[axis] > 1
+        )
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -118,45 +126,6 @@ def check_shape(
             "parallel.sp",
             f"--seq-len {seq_len} is not divisible by sp {layout.sp}; each rank holds an equal slice",
         )
-
-
-def process_groups(layout: Layout) -> Any:
-    """The `mpu` object `deepspeed.initialize` takes for this layout (None for data parallelism alone).
-
-    Built once per process: DeepSpeed keeps these groups in module globals.
-    """
-    if layout.model_parallel > 1:
-        _adopt_process_group()
-    if layout.tp > 1:
-        from deepspeed.utils import groups
-
-        groups._init_tp_mesh_device(tensor_model_parallel_size=layout.tp)  # no-op when already built
-        _check_same_size(groups.get_tensor_model_parallel_world_size(), layout.tp, "tensor")
-        return groups
-    if layout.sp > 1:
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp as sp_state
-
-        if sp_state._SEQUENCE_PARALLEL_GROUP is None:
-            sp_state.initialize_sequence_parallel(layout.sp)
-        _check_same_size(sp_state.get_sequence_parallel_world_size(), layout.sp, "sequence")
-        return sp_state
-    return None
-
-
-def _adopt_process_group() -> None:
-    """DeepSpeed's communication layer over torch's process group, when it was made without
-    `deepspeed.init_distributed` (its group builders below go through that layer)."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed import comm
-
-    if not comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-
-
-def _check_same_size(built: int, wanted: int, axis: str) -> None:
-    if built != wanted:  # one process runs one layout: DeepSpeed's groups cannot be rebuilt
-        raise RuntimeError(f"this process already has {axis}-parallel groups of {built} ranks, not {wanted}")
 
 
 def check_resume(layout: Layout, saved_world_size: int) -> None:

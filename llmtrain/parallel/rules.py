@@ -89,8 +89,14 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "parallel.sp",
         lambda c: c.tp > 1 and c.sp > 1,
-        "--tp {tp} with --sp {sp}: DeepSpeed's AutoTP builds its own process groups, which Ulysses "
-        "cannot share; use one of them, with data parallelism over the remaining ranks",
+        "--tp {tp} with --sp {sp}: llmtrain runs tensor and sequence parallelism each beside data "
+        "parallelism, not together; use one of them, with data parallelism over the remaining ranks",
+    ),
+    Rule(
+        "parallel.pp",
+        lambda c: c.pp > 1 and c.sp > 1,
+        "--pp {pp} with --sp {sp}: llmtrain runs sequence parallelism beside data (and not pipeline) "
+        "parallelism; use --pp with --tp and data parallelism, or --sp without --pp",
     ),
     Rule(
         "zero.stage",
@@ -107,12 +113,6 @@ RULES: tuple[Rule, ...] = (
         lambda c: c.stage == 0 and (c.tp > 1 or c.sp > 1),
         "ZeRO 0 with --tp/--sp: the update needs ZeRO's model-parallel-aware gradient norm and overflow "
         "check; use --zero 1 (it shards only optimizer states)",
-    ),
-    Rule(
-        "parallel.pp",
-        lambda c: c.pp > 1 and (c.tp > 1 or c.sp > 1),
-        "--pp {pp} with --tp/--sp: DeepSpeed's pipeline engine builds its process groups from its own "
-        "topology, which AutoTP's and Ulysses' groups cannot join; use pipeline stages with data parallelism",
     ),
     Rule(
         "zero.stage",

@@ -10,24 +10,10 @@ PipelineModule and `estimate-memory --pp` both call it, so the estimate is of th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-from llmtrain.presets import count_parameters
+from llmtrain.parallel.partition import ModelShape, block_parameters
 
 EMBED, NORM, HEAD = "embed", "norm", "head"
-
-
-class ModelShape(Protocol):
-    """What the cut reads of a model (config.ModelConfig has it; the config imports this package, so
-    the shape is named here rather than imported)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None
 
 
 @dataclass(frozen=True)
@@ -43,28 +29,12 @@ def pipeline_layers(model: ModelShape) -> list[PipelineLayer]:
     TiedLayerSpec: the copies' gradients are summed every step), so it weighs as much as an untied one.
     """
     embedding = model.vocab_size * model.hidden_size
-    block = _block_parameters(model)
+    block = block_parameters(model)
     return (
         [PipelineLayer(EMBED, embedding)]
         + [PipelineLayer("block", block) for _ in range(model.num_hidden_layers)]
         + [PipelineLayer(NORM, model.hidden_size), PipelineLayer(HEAD, embedding)]
     )
-
-
-def _block_parameters(model: ModelShape) -> int:
-    # What count_parameters adds per block: the difference between two blocks and one of this shape.
-    def with_blocks(n: int) -> int:
-        return count_parameters(
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            intermediate_size=model.intermediate_size,
-            num_hidden_layers=n,
-            num_attention_heads=model.num_attention_heads,
-            num_key_value_heads=model.num_key_value_heads,
-            head_dim=model.head_dim,
-        )
-
-    return with_blocks(2) - with_blocks(1)
 
 
 def stage_bounds(layers: list[PipelineLayer], pp: int, method: str) -> list[int]:

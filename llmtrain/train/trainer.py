@@ -130,7 +130,7 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
     settings = engine_config(cfg, world, load_universal=universal)
     if world.is_main:
-        rundir.write_run_files(run_dir, cfg.train.engine, settings, world.world_size)
+        rundir.write_run_files(run_dir, cfg.train.engine, settings, cfg.layout(world.world_size))
     prepared: PreparedData | list[MixturePart]
     if cfg.data.mixture:
         prepared = prepare_mixture(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)

@@ -1,0 +1,144 @@
+"""The mesh: every process group of a run's layout, built once per process from `layout.Layout`.
+
+Named groups, each the ranks that differ only along some axes (rank order as Layout's: tp innermost,
+pp outermost): `tensor` (tp), `sequence` (sp), `data` (dp: the ranks that see distinct samples),
+`zero` (dp x sp: the ranks ZeRO shards over), `pipeline` (pp) and `model` (pp x tp: the ranks that hold
+distinct parts of one replica, over which a gradient norm is summed). DeepSpeed gets the mesh as its
+`mpu` (the Megatron interface it reads: data, model and tensor groups, ranks and sizes); the model's
+tensor-parallel layers take its tensor group. Every rank creates every group, in the same order, as
+torch.distributed requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.parallel.layout import Layout
+
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "tensor": ("tp",),
+    "sequence": ("sp",),
+    "data": ("dp",),
+    "zero": ("dp", "sp"),
+    "pipeline": ("pp",),
+    "model": ("pp", "tp"),
+}
+
+
+def describe(layout: Layout) -> dict[str, list[list[int]]]:
+    """Every group of every kind by rank, as a mesh of `layout` builds them (environment.json keeps it)."""
+    return {name: layout.groups_along(axes) for name, axes in GROUP_AXES.items()}
+
+
+class Mesh:
+    """This rank's view of the layout's groups; the methods named get_* are DeepSpeed's mpu interface."""
+
+    def __init__(self, layout: Layout, rank: int, groups: dict[str, Any], ranks: dict[str, list[int]]):
+        self.layout, self.rank = layout, rank
+        self._groups, self._ranks = groups, ranks
+
+    @classmethod
+    def build(cls, layout: Layout, rank: int) -> Mesh:
+        import torch.distributed as dist
+
+        groups: dict[str, Any] = {}
+        ranks: dict[str, list[int]] = {}
+        for name, axes in GROUP_AXES.items():
+            for members in layout.groups_along(axes):
+                group = dist.new_group(members)  # collective: every rank, every group, this order
+                if rank in members:
+                    groups[name], ranks[name] = group, members
+        return cls(layout, rank, groups, ranks)
+
+    def group(self, name: str) -> Any:
+        return self._groups[name]
+
+    def ranks(self, name: str) -> list[int]:
+        """The global ranks of this rank's `name` group, in order."""
+        return self._ranks[name]
+
+    def _index(self, name: str) -> int:
+        return self._ranks[name].index(self.rank)
+
+    # ------------------------------------------------------------ DeepSpeed's mpu interface
+
+    def get_data_parallel_group(self) -> Any:
+        return self._groups["data"]
+
+    def get_data_parallel_rank(self) -> int:
+        return self._index("data")
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self._ranks["data"])
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self._ranks["data"]
+
+    def get_model_parallel_group(self) -> Any:
+        return self._groups["model"]
+
+    def get_model_parallel_rank(self) -> int:
+        return self._index("model")
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self._ranks["model"])
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self._groups["tensor"]
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self._index("tensor")
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return len(self._ranks["tensor"])
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._ranks["tensor"][0]
+
+    def get_pipeline_model_parallel_group(self) -> Any:
+        return self._groups["pipeline"]
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self._index("pipeline")
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return len(self._ranks["pipeline"])
+
+
+def process_groups(layout: Layout) -> Any:
+    """The `mpu` object `deepspeed.initialize` takes for this layout (None for data parallelism alone):
+    the mesh under tensor parallelism; under sequence parallelism DeepSpeed's Ulysses groups
+    (`parallel_state_sp`), which DeepSpeed recognises by their module and reduces over specially.
+
+    Built once per process: DeepSpeed keeps the sp groups in module globals.
+    """
+    import torch.distributed as dist
+
+    if layout.model_parallel > 1:
+        _adopt_process_group()
+    if layout.tp > 1:
+        return Mesh.build(layout, dist.get_rank())
+    if layout.sp > 1:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp as sp_state
+
+        if sp_state._SEQUENCE_PARALLEL_GROUP is None:
+            sp_state.initialize_sequence_parallel(layout.sp)
+        if sp_state.get_sequence_parallel_world_size() != layout.sp:
+            # one process runs one layout: DeepSpeed's sp groups cannot be rebuilt
+            raise RuntimeError(
+                f"this process already has sequence-parallel groups of "
+                f"{sp_state.get_sequence_parallel_world_size()} ranks, not {layout.sp}"
+            )
+        return sp_state
+    return None
+
+
+def _adopt_process_group() -> None:
+    """DeepSpeed's communication layer over torch's process group, when it was made without
+    `deepspeed.init_distributed` (DeepSpeed's engine and group builders go through that layer)."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed import comm
+
+    if not comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())

@@ -1,0 +1,110 @@
+"""llmtrain's Llama tensor by tensor: every parameter's name, shape, tensor-parallel split and block, the
+one spec that the parameter counts (presets.count_parameters), the estimator's per-rank tensors, the
+pipeline's stage cut, the model's tensor-parallel shards (parallel.tensor) and checkpoint consolidation
+read.
+
+Megatron's split of a transformer block: the projections into the heads and into the MLP are
+column-parallel (each rank keeps a block of output rows, dim 0 of the weight: whole heads, a slice of the
+MLP width), the projections back to the hidden size row-parallel (a block of input columns, dim 1), so a
+block needs one all-reduce after attention and one after the MLP. Norms, the embedding and the output
+layer stay whole on every rank. Torch-free, like the estimator that reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+COLUMN = 0  # the weight's dim split over the tp ranks: output rows
+ROW = 1  # input columns
+
+TP_SPLIT_DIM: dict[str, int] = {
+    "q_proj": COLUMN,
+    "k_proj": COLUMN,
+    "v_proj": COLUMN,
+    "gate_proj": COLUMN,
+    "up_proj": COLUMN,
+    "o_proj": ROW,
+    "down_proj": ROW,
+}
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dim tensor parallelism splits parameter `name` along (`layers.3.self_attn.q_proj.weight` -> 0),
+    or None for one every rank holds whole."""
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-1] != "weight":
+        return None
+    return TP_SPLIT_DIM.get(parts[-2])
+
+
+def describe() -> dict[str, list[str]]:
+    """The split as `llmtrain config` prints it: module names by kind."""
+    return {
+        "column": [name for name, dim in TP_SPLIT_DIM.items() if dim == COLUMN],
+        "row": [name for name, dim in TP_SPLIT_DIM.items() if dim == ROW],
+    }
+
+
+class ModelShape(Protocol):
+    """What the spec reads of a model (config.ModelConfig has it; the config imports this package, so
+    the shape is named here rather than imported)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None
+    tie_word_embeddings: bool
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # model.py's (Hugging Face's without the leading `model.`)
+    shape: tuple[int, ...]
+    block: int | None  # the transformer block it belongs to; None: embedding, final norm, output layer
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def tp_dim(self) -> int | None:
+        return tp_split_dim(self.name)
+
+    def per_rank(self, tp: int) -> int:
+        """Elements one rank holds under tensor parallelism of degree `tp`."""
+        return self.numel // tp if self.tp_dim is not None else self.numel
+
+
+def tensors(m: ModelShape) -> list[TensorSpec]:
+    """Every parameter of llmtrain.model.Llama in its order (a tied output layer once, as the embedding)."""
+    d, f = m.hidden_size, m.intermediate_size
+    head = m.head_dim or d // m.num_attention_heads
+    q, kv = m.num_attention_heads * head, m.num_key_value_heads * head
+    block_shapes = {
+        "input_layernorm": (d,),
+        "self_attn.q_proj": (q, d),
+        "self_attn.k_proj": (kv, d),
+        "self_attn.v_proj": (kv, d),
+        "self_attn.o_proj": (d, q),
+        "post_attention_layernorm": (d,),
+        "mlp.gate_proj": (f, d),
+        "mlp.up_proj": (f, d),
+        "mlp.down_proj": (d, f),
+    }
+    specs = [TensorSpec("embed_tokens.weight", (m.vocab_size, d), None)]
+    for i in range(m.num_hidden_layers):
+        specs += [TensorSpec(f"layers.{i}.{name}.weight", shape, i) for name, shape in block_shapes.items()]
+    specs.append(TensorSpec("norm.weight", (d,), None))
+    if not m.tie_word_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (m.vocab_size, d), None))
+    return specs
+
+
+def block_parameters(m: ModelShape, tp: int = 1) -> int:
+    """Parameters of one transformer block that one rank holds under tensor parallelism of degree `tp`."""
+    return sum(spec.per_rank(tp) for spec in tensors(m) if spec.block == 0)

@@ -1,0 +1,58 @@
+"""The layout's rank order and the mesh's groups (torch-free maths, no process group): every group of
+every axis, and agreement with the topology DeepSpeed's pipeline engine builds its grid from."""
+
+from __future__ import annotations
+
+import pytest
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from llmtrain.parallel.layout import Layout
+from llmtrain.parallel.mesh import describe
+
+
+def test_rank_order_is_tp_innermost_and_pp_outermost() -> None:
+    layout = Layout(16, tp=2, sp=2, pp=2)  # dp 2
+    assert [tuple(layout.coordinates(r).values()) for r in (0, 1, 2, 4, 8, 15)] == [
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 0, 1, 0),
+        (0, 1, 0, 0),
+        (1, 0, 0, 0),
+        (1, 1, 1, 1),
+    ]
+    assert list(layout.coordinates(0)) == ["pp", "dp", "sp", "tp"]
+
+
+def test_every_group_of_dp2_tp2_pp2() -> None:
+    groups = describe(Layout(8, tp=2, pp=2))
+    assert groups["tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["data"] == groups["zero"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pipeline"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["model"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # one replica's stages and tp ranks
+    assert groups["sequence"] == [[r] for r in range(8)]
+
+
+def test_zero_shards_over_data_and_sequence_ranks() -> None:
+    groups = describe(Layout(8, tp=2, sp=2))  # dp 2
+    assert groups["sequence"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["zero"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize(("world", "tp", "pp"), [(8, 2, 2), (4, 2, 2), (8, 4, 2), (4, 1, 2)])
+def test_the_pipeline_grid_deepspeed_builds_has_the_mesh_groups(world: int, tp: int, pp: int) -> None:
+    layout = Layout(world, tp=tp, pp=pp)
+    groups = describe(layout)
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=layout.dp)
+
+    def ds(axis: str) -> list[list[int]]:
+        return sorted(topology.get_axis_comm_lists(axis)) or [[r] for r in range(world)]
+
+    assert ds("model") == sorted(groups["tensor"])
+    assert ds("data") == sorted(groups["data"])
+    assert ds("pipe") == sorted(groups["pipeline"])
+    for rank in range(world):
+        coordinates = topology.get_coord(rank)
+        assert (coordinates.pipe, coordinates.data, coordinates.model) == tuple(
+            layout.coordinates(rank)[axis] for axis in ("pp", "dp", "tp")
+        )
