@@ -222,14 +222,16 @@ def _fit(gpu_memory: int, **flags: object) -> tuple[memory.Setup, list[memory.Ca
 
 
 def test_fit_proposes_pipelines_only_where_they_compose() -> None:
-    # tiny (8 blocks) on 2 nodes of 4 GPUs: pipelines of 2, 4 and 8 stages (across nodes), never 16.
+    # tiny (8 blocks) on 2 nodes of 4 GPUs: pipelines of 2, 4 and 8 stages (across nodes), never 16,
+    # alone or with tp inside a node.
     setup, found = _fit(
         80 * 10**9, preset="tiny", **{"launch.gpus": 4, "launch.nodes": 2, "train.micro_batch": 4}
     )
     piped = [c for c in found if c.pp > 1]
     assert {c.pp for c in piped} == {2, 4, 8}
+    assert {(c.tp, c.pp) for c in piped} >= {(2, 2), (4, 2), (2, 4)}  # tp x pp: 3D layouts searched
     for c in piped:
-        assert (c.tp, c.sp, c.stage) == (1, 1, 1) and c.offload != "nvme"
+        assert (c.sp, c.stage) == (1, 1) and 4 % c.tp == 0 and c.offload != "nvme"
         rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", c.tp, c.sp, c.pp))
         lay = layout.Layout(8, c.tp, c.sp, c.pp)
         check_layout(setup.cfg, lay)

@@ -56,3 +56,25 @@ def test_the_pipeline_grid_deepspeed_builds_has_the_mesh_groups(world: int, tp: 
         assert (coordinates.pipe, coordinates.data, coordinates.model) == tuple(
             layout.coordinates(rank)[axis] for axis in ("pp", "dp", "tp")
         )
+
+
+@pytest.mark.parametrize(
+    "flags", [{"preset": "debug"}, {"preset": "tiny", "model.tie_word_embeddings": True}]
+)
+def test_the_partition_spec_lists_the_models_parameters(flags: dict[str, object]) -> None:
+    """parallel.partition's spec is model.py's parameters, name by name and shape by shape, and its
+    per-rank counts are the shards parallel.tensor keeps."""
+    from llmtrain.config import resolve
+    from llmtrain.model import build_model
+    from llmtrain.parallel import partition
+    from llmtrain.presets import count_parameters
+
+    cfg = resolve(flags=flags).model
+    model = build_model(cfg, "meta")
+    specs = partition.tensors(cfg)
+    assert [(s.name, s.shape) for s in specs] == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert sum(s.numel for s in specs) == count_parameters(**vars(cfg))
+    for spec in specs:
+        if spec.tp_dim is not None:
+            assert spec.per_rank(2) * 2 == spec.numel and spec.shape[spec.tp_dim] % 2 == 0
+    assert partition.block_parameters(cfg) == sum(s.numel for s in specs if s.block == 0)

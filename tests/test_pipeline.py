@@ -2,8 +2,8 @@
 
 - Trajectories (fp32, 10 steps): pp 2 on 2 processes under 1F1B and GPipe, with untied and tied
   embeddings and with document masking, and dp 2 x pp 2 and tp 2 x pp 2 (llmtrain's tensor-parallel
-  layers inside each stage) on 4, give the losses of one process on the same global batch to a
-  relative 1e-5; GPipe's equal 1F1B's bitwise (same accumulation order).
+  layers inside each stage) on 4, and dp 2 x tp 2 x pp 2 on 8, give the losses of one process on the
+  same global batch to a relative 1e-5; GPipe's equal 1F1B's bitwise (same accumulation order).
 - bf16 with ZeRO 1 trains under pp 2 and tp 2 x pp 2, following one bf16 process to 1e-3.
 - A NaN loss on the first stage (which computes no loss itself) skips that update on every rank.
 - Through the command line: SIGKILL mid-run and `resume` under `--pp 2` give every step's loss, lr and
@@ -73,6 +73,8 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2_pp2": ("batch8", PP2),
     "tp2_pp2": ("batch8", {**PP2, **TP2}),
 }
+# 3D: data x tensor x pipeline parallelism in one run (about 40 s on 2 cores for 8 processes).
+EIGHT: dict[str, tuple[str, dict[str, Any]]] = {"dp2_tp2_pp2": ("batch8", {**PP2, **TP2})}
 
 # Rank 0 is the first stage: it has no loss of its own, yet its poisoned share must skip the step.
 NAN_FAULT, NAN_STEPS = "nan_loss@0:1", 4
@@ -115,12 +117,13 @@ def trajectories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out.update(
         launch(_train, 4, {**{n: f for n, (_, f) in FOUR.items()}, "tp2_pp2_bf16": {**PP2, **TP2, **BF16}})
     )
+    out.update(launch(_train, 8, {n: f for n, (_, f) in EIGHT.items()}))
     return out
 
 
-@pytest.mark.parametrize("name", [*TWO, *FOUR])
+@pytest.mark.parametrize("name", [*TWO, *FOUR, *EIGHT])
 def test_pipeline_run_follows_the_one_process_trajectory(trajectories: dict[str, Any], name: str) -> None:
-    reference_name = {**TWO, **FOUR}[name][0]
+    reference_name = {**TWO, **FOUR, **EIGHT}[name][0]
     reference, got = trajectories[reference_name], trajectories[name]
     assert len(reference) == len(got) == STEPS
     assert reference[-1] < reference[0]  # it trains at all

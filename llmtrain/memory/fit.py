@@ -70,17 +70,18 @@ def speed_key(c: Candidate) -> tuple[int, int, int, int, float, int, int]:
 
 def degrees(setup: Setup) -> list[tuple[int, int, int]]:
     """(tp, sp, pp) degrees to search: tp and sp whose product divides the GPUs of one node (they talk in
-    every layer, so their ranks stay on a node's links), and pipelines of every divisor of the world
-    size (a stage boundary carries little, so stages may span nodes) with data parallelism alone
-    (rules refuse pp with tp or sp), all that config.check_layout accepts for the model and sequence
-    length (a pipeline has at least one block per stage). A bare --params has no shape to split: only
-    its own layout."""
+    every layer, so their ranks stay on a node's links: the rank order puts tp innermost), and
+    pipelines of every divisor of the world size (a stage boundary carries little, so stages may span
+    nodes), alone or with tp inside a node (rules refuse pp with sp), all that config.check_layout
+    accepts for the model and sequence length (a pipeline has at least one block per stage). A bare
+    --params has no shape to split: only its own layout."""
     if not setup.shape_known:
         return [(setup.layout.tp, setup.layout.sp, setup.layout.pp)]
     gpus, world = setup.cfg.launch.gpus, setup.world_size
     on_node = [n for n in range(1, gpus + 1) if gpus % n == 0]
     found = [(tp, sp, 1) for tp, sp in itertools.product(on_node, on_node) if gpus % (tp * sp) == 0]
-    found += [(1, 1, pp) for pp in range(2, world + 1) if world % pp == 0]
+    pipelines = [pp for pp in range(2, world + 1) if world % pp == 0]
+    found += [(tp, 1, pp) for pp in pipelines for tp in on_node if world % (tp * pp) == 0]
     return [d for d in found if _splits(setup, *d)]
 
 

@@ -83,7 +83,7 @@ def _largest_tensor(model: ModelConfig, kind: str, tp: int) -> int:
     if kind in (EMBED, HEAD):
         return model.vocab_size * d
     if kind == "block":
-        return max(spec.per_rank(tp) for spec in partition.tensors(model) if spec.block == 0)
+        return max(spec.per_rank(tp) for spec in partition.block_tensors(model))
     return d  # the final norm
 
 

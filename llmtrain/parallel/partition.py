@@ -80,12 +80,12 @@ class TensorSpec:
         return self.numel // tp if self.tp_dim is not None else self.numel
 
 
-def tensors(m: ModelShape) -> list[TensorSpec]:
-    """Every parameter of llmtrain.model.Llama in its order (a tied output layer once, as the embedding)."""
+def block_tensors(m: ModelShape, index: int = 0) -> list[TensorSpec]:
+    """The parameters of transformer block `index`, in model.py's order."""
     d, f = m.hidden_size, m.intermediate_size
     head = m.head_dim or d // m.num_attention_heads
     q, kv = m.num_attention_heads * head, m.num_key_value_heads * head
-    block_shapes = {
+    shapes = {
         "input_layernorm": (d,),
         "self_attn.q_proj": (q, d),
         "self_attn.k_proj": (kv, d),
@@ -96,9 +96,15 @@ def tensors(m: ModelShape) -> list[TensorSpec]:
         "mlp.up_proj": (f, d),
         "mlp.down_proj": (d, f),
     }
+    return [TensorSpec(f"layers.{index}.{name}.weight", shape, index) for name, shape in shapes.items()]
+
+
+def tensors(m: ModelShape) -> list[TensorSpec]:
+    """Every parameter of llmtrain.model.Llama in its order (a tied output layer once, as the embedding)."""
+    d = m.hidden_size
     specs = [TensorSpec("embed_tokens.weight", (m.vocab_size, d), None)]
     for i in range(m.num_hidden_layers):
-        specs += [TensorSpec(f"layers.{i}.{name}.weight", shape, i) for name, shape in block_shapes.items()]
+        specs += block_tensors(m, i)
     specs.append(TensorSpec("norm.weight", (d,), None))
     if not m.tie_word_embeddings:
         specs.append(TensorSpec("lm_head.weight", (m.vocab_size, d), None))
@@ -107,4 +113,4 @@ def tensors(m: ModelShape) -> list[TensorSpec]:
 
 def block_parameters(m: ModelShape, tp: int = 1) -> int:
     """Parameters of one transformer block that one rank holds under tensor parallelism of degree `tp`."""
-    return sum(spec.per_rank(tp) for spec in tensors(m) if spec.block == 0)
+    return sum(spec.per_rank(tp) for spec in block_tensors(m))
