@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism on the real DeepSpeed engine (CPU, gloo, fp32).
 
 - Trajectories: 10 steps of tp 2 and sp 2 on 2 processes, and of dp 2 x tp 2 and dp 2 x sp 2 on 4,
-  each with ZeRO 1 and ZeRO 3 (sp also with document masking), give the losses of one process on the
-  same global batch, to a relative 1e-5; tp 2 in bf16 (ZeRO 1 and 3) those of one bf16 process to 1e-3. One launch per world size: the scenarios build their engines
+  each with ZeRO 1 and ZeRO 3 (tp 2 also with ZeRO 2, sp also with document masking), give the losses
+  of one process on the same global batch, to a relative 1e-5; tp 2 in bf16 (ZeRO 1 and 3) those of one bf16 process to 1e-3. One launch per world size: the scenarios build their engines
   in turn.
 - A NaN loss on one rank skips that update on every rank of a tp or an sp group.
 - Through the command line: `train --gpus 2 --tp 2` (and --sp 2) follows a one-process `train` to 1e-5;
@@ -88,6 +88,7 @@ TWO: dict[str, tuple[str, dict[str, Any]]] = {
     "sp2_zero3": ("batch2", {"parallel.sp": 2, "zero.stage": 3}),
     "sp2_zero1_docs": ("batch2_docs", {"parallel.sp": 2, "zero.stage": 1, "data.document_masking": True}),
     "tp2_zero1": ("batch2", {"parallel.tp": 2, "zero.stage": 1}),
+    "tp2_zero2": ("batch2", {"parallel.tp": 2, "zero.stage": 2}),
     "tp2_zero3": ("batch2", {"parallel.tp": 2, "zero.stage": 3}),
     "tp2_zero1_bf16": ("batch2_bf16", {"parallel.tp": 2, "zero.stage": 1, "train.precision": "bf16"}),
     "tp2_zero3_bf16": ("batch2_bf16", {"parallel.tp": 2, "zero.stage": 3, "train.precision": "bf16"}),

@@ -2,12 +2,14 @@
 
 - Trajectories (fp32, 10 steps): pp 2 on 2 processes under 1F1B and GPipe, with untied and tied
   embeddings and with document masking, and dp 2 x pp 2 and tp 2 x pp 2 (llmtrain's tensor-parallel
-  layers inside each stage) on 4, and dp 2 x tp 2 x pp 2 on 8, give the losses of one process on the
-  same global batch to a relative 1e-5; GPipe's equal 1F1B's bitwise (same accumulation order).
+  layers inside each stage, 1F1B and GPipe) on 4, and dp 2 x tp 2 x pp 2 on 8, give the losses of one
+  process on the same global batch to a relative 1e-5; GPipe's equal 1F1B's bitwise (same
+  accumulation order).
 - bf16 with ZeRO 1 trains under pp 2 and tp 2 x pp 2, following one bf16 process to 1e-3.
 - A NaN loss on the first stage (which computes no loss itself) skips that update on every rank.
-- Through the command line: SIGKILL mid-run and `resume` under `--pp 2` give every step's loss, lr and
-  grad norm bitwise equal to the uninterrupted run's; resuming with another pipeline degree is refused.
+- Through the command line: SIGKILL mid-run and `resume` under `--pp 2` (and tp 2 x pp 2) give every
+  step's loss, lr and grad norm bitwise equal to the uninterrupted run's; resuming with another
+  pipeline degree is refused.
 - Each stage starts from exactly the weights of a one-process build (init_stage_weights).
 """
 
@@ -72,6 +74,7 @@ TP2 = {"parallel.tp": 2}
 FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2_pp2": ("batch8", PP2),
     "tp2_pp2": ("batch8", {**PP2, **TP2}),
+    "tp2_pp2_gpipe": ("batch8", {**PP2, **TP2, "parallel.pp_schedule": "gpipe"}),
 }
 # 3D: data x tensor x pipeline parallelism in one run (about 40 s on 2 cores for 8 processes).
 EIGHT: dict[str, tuple[str, dict[str, Any]]] = {"dp2_tp2_pp2": ("batch8", {**PP2, **TP2})}
@@ -132,6 +135,7 @@ def test_pipeline_run_follows_the_one_process_trajectory(trajectories: dict[str,
 
 def test_gpipe_and_1f1b_give_the_same_updates(trajectories: dict[str, Any]) -> None:
     assert trajectories["pp2_gpipe"] == trajectories["pp2_1f1b"]
+    assert trajectories["tp2_pp2_gpipe"] == trajectories["tp2_pp2"]
 
 
 def test_the_references_differ_where_the_model_or_data_does(trajectories: dict[str, Any]) -> None:
