@@ -57,7 +57,7 @@ def _tp_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
     if len(tp_ranks) == 1:
         return _one_tp_rank(path, partitioned)
     with tempfile.TemporaryDirectory(prefix="llmtrain_tp_") as tmp:
-        views = [_tp_rank_view(path, rank, Path(tmp)) for rank in tp_ranks]
+        views = [_tp_rank_view(path, rank, len(tp_ranks), 1, Path(tmp)) for rank in tp_ranks]
         return _merge_tp_slices(path, [_one_tp_rank(view, partitioned) for view in views])
 
 
@@ -83,13 +83,21 @@ def _mp_ranks(path: Path, kind: str) -> list[int]:
     return ranks
 
 
-def _tp_rank_view(path: Path, rank: int, tmp: Path) -> Path:
-    """A directory of links to tp rank `rank`'s files, renamed to mp rank 0: to zero_to_fp32 and the
-    readers here it is a plain data-parallel checkpoint of that rank's slices."""
-    view = tmp / f"tp{rank}" / path.name
+def _tp_rank_view(path: Path, t: int, tp: int, stages_count: int, tmp: Path) -> Path:
+    """A directory of links to tp rank `t`'s files, renamed as a checkpoint without tp has them: to
+    zero_to_fp32 and the readers here it is a plain data-parallel checkpoint (or pipeline) of that
+    rank's slices. Model-parallel rank s * tp + t becomes mp rank s (DeepSpeed numbers a replica's ranks
+    stage by stage, tp innermost; one stage without a pipeline), and a pipeline's layer files lose the
+    model axis (`layer_NN-model_TT-` -> `layer_NN-`)."""
+    view = tmp / f"tp{t}" / path.name
     view.mkdir(parents=True)
-    for file in path.glob(f"*mp_rank_{rank:02d}_*.pt"):
-        (view / file.name.replace(f"mp_rank_{rank:02d}_", "mp_rank_00_")).symlink_to(file.resolve())
+    for file in path.glob(f"layer_*-model_{t:02d}-model_states.pt"):
+        (view / file.name.replace(f"-model_{t:02d}-", "-")).symlink_to(file.resolve())
+    for stage in range(stages_count):
+        mp_rank = stage * tp + t
+        for file in path.glob(f"*mp_rank_{mp_rank:02d}_*.pt"):
+            renamed = file.name.replace(f"mp_rank_{mp_rank:02d}_", f"mp_rank_{stage:02d}_")
+            (view / renamed).symlink_to(file.resolve())
     return view
 
 
@@ -231,24 +239,8 @@ def _tp_pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
     tp = len(tp_ranks)
     stages_count = len(_mp_ranks(path, "model-parallel ranks")) // tp
     with tempfile.TemporaryDirectory(prefix="llmtrain_tp_pp_") as tmp:
-        views = [_tp_pipeline_view(path, t, tp, stages_count, Path(tmp)) for t in range(tp)]
+        views = [_tp_rank_view(path, t, tp, stages_count, Path(tmp)) for t in range(tp)]
         return _merge_tp_slices(path, [_pipeline_fp32(view, partitioned) for view in views])
-
-
-def _tp_pipeline_view(path: Path, t: int, tp: int, stages_count: int, tmp: Path) -> Path:
-    """Links to tp rank `t`'s files, renamed as a pipeline without tp has them: its layer files without
-    the model axis, and model-parallel rank s * tp + t (DeepSpeed's grid numbers a replica's ranks stage
-    by stage, tp innermost) as stage s."""
-    view = tmp / f"tp{t}" / path.name
-    view.mkdir(parents=True)
-    for file in path.glob(f"layer_*-model_{t:02d}-model_states.pt"):
-        (view / file.name.replace(f"-model_{t:02d}-", "-")).symlink_to(file.resolve())
-    for stage in range(stages_count):
-        mp_rank = stage * tp + t
-        for file in path.glob(f"*mp_rank_{mp_rank:02d}_*.pt"):
-            renamed = file.name.replace(f"mp_rank_{mp_rank:02d}_", f"mp_rank_{stage:02d}_")
-            (view / renamed).symlink_to(file.resolve())
-    return view
 
 
 def _pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ saved-tensor hooks in tests/test_memory_calibration.py):
 * Activations are the bytes autograd saves for backward in llmtrain.model, per layer, per checkpointing
   mode; logits are computed in chunks of LOSS_CHUNK_ROWS rows, so only one chunk's fp32 logits exist, and
   the fused loss holds the output weight's gradient (fp32 sum) from the end of forward.
-* Tensor parallelism (tp, parallel.partition's split) leaves each rank 1/tp of every layer's q, k, v, o, gate, up and down
-  matrices (the embedding, lm_head and norms stay whole), and ZeRO partitions what a rank holds over the
-  data-parallel ranks only. Sequence parallelism (sp, Ulysses) replicates the parameters over sp ranks and
+* Tensor parallelism (tp, parallel.partition's split) leaves each rank 1/tp of every layer's q, k, v, o,
+  gate, up and down matrices (the embedding, lm_head and norms stay whole), and ZeRO partitions what a
+  rank holds over the data-parallel ranks only. Sequence parallelism (sp, Ulysses) replicates the parameters over sp ranks and
   ZeRO partitions over dp x sp; each rank's activations hold seq_len / sp tokens.
 * Pipeline parallelism (pp, ZeRO 1 only) gives each rank one stage of llmtrain.parallel.stages' partition:
   the model-state terms are the heaviest stage's (ZeRO 1 shards its optimizer states over the dp ranks of

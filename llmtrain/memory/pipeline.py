@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from llmtrain.config import ModelConfig, PipeSchedule
 from llmtrain.parallel import partition
-from llmtrain.parallel.partition import block_parameters
 from llmtrain.parallel.stages import EMBED, HEAD, pipeline_layers, stage_bounds
 
 SCHEDULES = typing.get_args(PipeSchedule)
@@ -44,7 +43,7 @@ def stage_spans(model: ModelConfig, pp: int, method: str, tp: int = 1) -> list[S
     `parameters` is what one rank of the stage holds under tensor parallelism of degree `tp`."""
     layers = pipeline_layers(model)
     bounds = stage_bounds(layers, pp, method)
-    block_per_rank = block_parameters(model, tp)
+    block_per_rank = partition.block_parameters(model, tp)
     spans = []
     blocks_before = 0
     for s in range(pp):

@@ -8,8 +8,8 @@ activation per micro-batch, the cheapest traffic to put across nodes). `groups_a
 any set of axes; parallel.mesh builds the process groups from it.
 
 - Data: the ranks of one model-parallel group read the same samples. The loader's rank is d and its
-  world dp; tp ranks compute on identical inputs, sp ranks
-  each keep their slice of the same sequences (the model cuts it: `Llama.set_sequence_parallel`).
+  world dp; tp ranks compute on identical inputs, sp ranks each keep their slice of the same sequences
+  (the model cuts it: `Llama.set_sequence_parallel`).
 - DeepSpeed: the groups reach `deepspeed.initialize` as its `mpu` argument (parallel.mesh). For tp that
   is llmtrain's mesh: ZeRO shards over the data group, the gradient norm sums over the model group; for
   sp, DeepSpeed's Ulysses groups (`parallel_state_sp`): ZeRO then shards and reduces over the dp x sp

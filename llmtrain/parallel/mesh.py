@@ -50,13 +50,6 @@ class Mesh:
                     groups[name], ranks[name] = group, members
         return cls(layout, rank, groups, ranks)
 
-    def group(self, name: str) -> Any:
-        return self._groups[name]
-
-    def ranks(self, name: str) -> list[int]:
-        """The global ranks of this rank's `name` group, in order."""
-        return self._ranks[name]
-
     def _index(self, name: str) -> int:
         return self._ranks[name].index(self.rank)
 

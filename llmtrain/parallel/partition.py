@@ -39,14 +39,6 @@ def tp_split_dim(name: str) -> int | None:
     return TP_SPLIT_DIM.get(parts[-2])
 
 
-def describe() -> dict[str, list[str]]:
-    """The split as `llmtrain config` prints it: module names by kind."""
-    return {
-        "column": [name for name, dim in TP_SPLIT_DIM.items() if dim == COLUMN],
-        "row": [name for name, dim in TP_SPLIT_DIM.items() if dim == ROW],
-    }
-
-
 class ModelShape(Protocol):
     """What the spec reads of a model (config.ModelConfig has it; the config imports this package, so
     the shape is named here rather than imported)."""
