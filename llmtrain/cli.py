@@ -260,6 +260,8 @@ def _shape_option(flag: str, help_text: str) -> Any:
     "--global-batch",
     "--seq-len",
     "--activation-checkpointing",
+    "--partition-activations",
+    "--cpu-checkpointing",
     "--gpus",
     "--nodes",
 )

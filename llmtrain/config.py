@@ -158,6 +158,16 @@ class TrainSection:
     )
     activation_checkpointing: Checkpointing = _f("none", "recompute activations in backward")
     checkpoint_every_k: int = _f(2, "selective checkpointing: every k-th block")
+    partition_activations: bool = _f(
+        False,
+        "with activation checkpointing under tp: each tp rank keeps 1/tp of every checkpointed block's "
+        "input, all-gathered for the recompute (DeepSpeed's activation checkpointing)",
+    )
+    cpu_checkpointing: bool = _f(
+        False,
+        "with activation checkpointing: keep the checkpointed blocks' inputs in host memory until their "
+        "recompute (DeepSpeed's activation checkpointing)",
+    )
     compile: bool | None = _f(
         None,
         "torch.compile each transformer block; none = on for DeepSpeed runs of "
@@ -791,6 +801,7 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(t.steps is None or t.steps > 0, "train.steps", f"must be positive, got {t.steps}")
     _require(t.tokens is None or t.tokens > 0, "train.tokens", f"must be positive, got {t.tokens}")
     _require(t.checkpoint_every_k > 0, "train.checkpoint_every_k", "must be positive")
+    _validate_checkpointed_activations(cfg)
     _require(t.eval_every is None or t.eval_every > 0, "train.eval_every", "must be positive")
     _require(t.eval_batches > 0, "train.eval_batches", "must be positive")
     _require(cfg.launch.gpus > 0, "launch.gpus", f"must be at least 1, got {cfg.launch.gpus}")
@@ -819,8 +830,37 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
         heads=m.num_attention_heads,
         kv_heads=m.num_key_value_heads,
         mlp_width=m.intermediate_size,
+        vocab=m.vocab_size,
         seq_len=cfg.train.seq_len,
         layers=m.num_hidden_layers,
+    )
+
+
+def _validate_checkpointed_activations(cfg: TrainConfig) -> None:
+    """Where DeepSpeed's activation checkpointing keeps the checkpointed blocks' inputs: it applies to
+    blocks that are checkpointed, partitions them over a tp group, and runs in the DeepSpeed engine."""
+    t = cfg.train
+    for key, on in (
+        ("train.partition_activations", t.partition_activations),
+        ("train.cpu_checkpointing", t.cpu_checkpointing),
+    ):
+        if not on:
+            continue
+        _require(
+            t.activation_checkpointing != "none",
+            key,
+            "applies to checkpointed blocks; add --activation-checkpointing full (or selective)",
+        )
+        _require(
+            t.engine == "deepspeed",
+            key,
+            "is DeepSpeed's activation checkpointing; use --engine deepspeed",
+        )
+    _require(
+        not t.partition_activations or cfg.parallel.tp > 1,
+        "train.partition_activations",
+        "splits each checkpointed input over the tensor-parallel ranks; add --tp 2 (or more), or use "
+        "--cpu-checkpointing",
     )
 
 

@@ -28,6 +28,8 @@ FLAG_KEYS: dict[str, str] = {
     "--seed": "train.seed",
     "--init-from": "train.init_from",
     "--activation-checkpointing": "train.activation_checkpointing",
+    "--partition-activations": "train.partition_activations",
+    "--cpu-checkpointing": "train.cpu_checkpointing",
     "--compile": "train.compile",
     "--eval-every": "train.eval_every",
     "--lr": "optim.lr",

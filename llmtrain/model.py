@@ -119,7 +119,11 @@ def rope_cos_sin(position_ids: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> 
     """
     freqs = position_ids[..., None].float() * inv_freq  # [B, T, Hd/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [B, T, Hd]: Hugging Face's half-split layout
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    # Every block reads the same tables: DeepSpeed's activation checkpointing (partitioned or in host
+    # memory) must leave them as they are; partitioning empties a block's input in place.
+    cos.no_checkpointing = sin.no_checkpointing = True  # type: ignore[attr-defined]
+    return cos, sin
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -369,6 +373,27 @@ def checkpointed_blocks(num_layers: int, mode: str, every_k: int = 2) -> list[in
 # ---------------------------------------------------------------- the model
 
 
+Recompute = Callable[..., Tensor]  # (block, *its inputs) -> its output, activations recomputed in backward
+
+
+def torch_recompute(block: Callable[..., Tensor], *inputs: Any) -> Tensor:
+    """A checkpointed block through torch.utils.checkpoint (non-reentrant): it keeps only its inputs."""
+    out: Tensor = checkpoint(block, *inputs, use_reentrant=False)
+    return out
+
+
+class TokenEmbedding(nn.Embedding):
+    """Token ids -> their rows; under tensor parallelism (`tp_group`, set by parallel.tensor.shard, which
+    keeps this rank's V / tp rows) each rank looks up the ids it holds and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.tp_group: Any = None
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return tensor.embed(input_ids, self.weight, self.tp_group)
+
+
 class Llama(nn.Module):
     """Token ids -> logits, or -> mean cross-entropy when labels are given.
 
@@ -381,12 +406,13 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = OutputLayer(cfg.hidden_size, cfg.vocab_size)
         self.init_seed: int | None = None  # the seed init_weights uses when none is passed
         self._checkpointed: frozenset[int] = frozenset()
+        self.recompute: Recompute = torch_recompute  # how a checkpointed block runs
         self.sp_group: Any = None  # the sequence-parallel process group, when set_sequence_parallel ran
         if cfg.tie_word_embeddings:
             self.tie_weights()
@@ -447,7 +473,7 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype)  # [B, T, Hd]
         for i, block in enumerate(self.layers):
             if i in self._checkpointed and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = self.recompute(block, x, cos, sin, mask)
             else:
                 x = block(x, cos, sin, mask)
         return self.norm(x)
@@ -511,7 +537,8 @@ class Llama(nn.Module):
     def set_activation_checkpointing(self, mode: str, every_k: int = 2) -> None:
         """Recompute block activations in backward: none, full (every block) or selective (every k-th).
 
-        Uses torch.utils.checkpoint with use_reentrant=False; the loss and gradients are unchanged.
+        Uses `self.recompute` (torch.utils.checkpoint, non-reentrant, unless an engine sets DeepSpeed's);
+        the loss and gradients are unchanged.
         """
         self._checkpointed = frozenset(checkpointed_blocks(len(self.layers), mode, every_k))
 

@@ -126,11 +126,26 @@ CASES: dict[str, Case] = {
     "sp-seq-len": Case(
         f"{T} --gpus 2 --sp 2 --seq-len 33", "--sp: --seq-len 33 is not divisible by sp 2", RUN
     ),
-    "tp-with-sp": Case(f"{T} --gpus 4 --tp 2 --sp 2", "--sp: --tp 2 with --sp 2", RUN),
-    "tp-zero0": Case(f"{T} --gpus 2 --tp 2 --zero 0", "--zero: ZeRO 0 with --tp/--sp", RUN),
-    "sp-bf16-zero1": Case(
-        f"{T} --gpus 2 --sp 2 --zero 1 --precision bf16", "--zero: ZeRO 1 in bf16 with --sp fails", RUN
+    # debug's 2 key/value heads split 2 ways, not tp 2 x sp 2 = 4
+    "tp-sp-heads": Case(
+        f"{T} --gpus 4 --tp 2 --sp 2", "--sp: 2 key/value heads are not divisible by tp 2 x sp 2", RUN
     ),
+    "partition-without-tp": Case(
+        f"{T} --activation-checkpointing full --partition-activations",
+        "--partition-activations: splits each checkpointed input over the tensor-parallel ranks",
+        RUN,
+    ),
+    "cpu-checkpointing-without-recompute": Case(
+        f"{T} --cpu-checkpointing",
+        "--cpu-checkpointing: applies to checkpointed blocks; add --activation-checkpointing full",
+        RUN,
+    ),
+    "tp-vocab": Case(
+        f"{T} --gpus 2 --tp 2 --set model.vocab_size=8191",
+        "--tp: vocabulary size 8191 is not divisible by tp 2",
+        RUN,
+    ),
+    "tp-zero0": Case(f"{T} --gpus 2 --tp 2 --zero 0", "--zero: ZeRO 0 with --tp/--sp", RUN),
     "pp-zero3": Case(f"{T} --gpus 2 --pp 2 --zero 3", "--zero: ZeRO 3 with --pp", RUN),
     "pp-zero0": Case(f"{T} --gpus 2 --pp 2 --zero 0", "--zero: ZeRO 0 with --pp", RUN),
     "pp-with-sp": Case(f"{T} --gpus 4 --pp 2 --sp 2", "--pp: --pp 2 with --sp 2", RUN),

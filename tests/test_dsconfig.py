@@ -167,7 +167,7 @@ def test_config_command_shows_the_tensor_parallel_layout(capsys: pytest.CaptureF
     )
 
 
-def test_the_tp_split_covers_the_projections_and_nothing_else() -> None:
+def test_the_tp_split_covers_the_projections_and_the_vocabulary_and_nothing_else() -> None:
     from llmtrain.model import build_model
     from llmtrain.parallel.partition import tp_split_dim
 
@@ -181,12 +181,11 @@ def test_the_tp_split_covers_the_projections_and_nothing_else() -> None:
         "up_proj": 0,
         "o_proj": 1,
         "down_proj": 1,
+        "embed_tokens": 0,  # token rows: the vocab-parallel embedding and output layer
+        "lm_head": 0,
     }
     assert [n for n in names if tp_split_dim(n) is None] == [
-        n
-        for n in names
-        if n.split(".")[-2]
-        in ("embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head")
+        n for n in names if n.split(".")[-2] in ("input_layernorm", "post_attention_layernorm", "norm")
     ]
 
 

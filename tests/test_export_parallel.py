@@ -63,11 +63,13 @@ def test_consolidated_weights_equal_the_one_process_ones(runs: dict[str, Path], 
 
 def test_tp_slices_are_put_back_by_column_and_by_row(runs: dict[str, Path]) -> None:
     """Exact: at ZeRO 1 in fp32 each tp rank's model file holds its live slice of every weight; the
-    consolidated weight's rank-r block along dim 0 (column-parallel) or 1 (row-parallel) is that slice."""
+    consolidated weight's rank-r block along dim 0 (column-parallel, and the vocabulary's rows) or 1
+    (row-parallel) is that slice."""
     full = exportkit.consolidated(runs["tp2"], TAG)
     ckpt = runs["tp2"] / "checkpoints" / TAG
     dims = {key: tp_split_dim(key) for key in full}
-    assert list(dims.values()).count(None) == 7  # embed_tokens, lm_head, 5 norms
+    assert list(dims.values()).count(None) == 5  # the 5 norms (embed_tokens and lm_head: by vocabulary)
+    assert dims["embed_tokens.weight"] == dims["lm_head.weight"] == 0
     for rank in range(2):
         with weights_only_loads():
             module = torch.load(ckpt / f"mp_rank_{rank:02d}_model_states.pt", weights_only=True)["module"]

@@ -125,3 +125,50 @@ def test_all_labels_ignored_gives_zero_loss_and_zero_gradients() -> None:
     h, weight, _ = inputs(torch.float32)
     loss, grad_h, grad_w = loss_and_grads(fused, h, weight, torch.full((N,), IGNORE_INDEX))
     assert loss.item() == 0.0 and grad_h.abs().max() == 0 and grad_w.abs().max() == 0
+
+
+# ---------------------------------------------------------------- vocab-parallel (2 gloo processes, ~5 s)
+
+
+def _vocab_parallel(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's half of the vocabulary (V = 98 rows: 49 each) through the tensor-parallel output
+    layer and embedding: the loss, the hidden states' gradient (summed over the ranks by the region's
+    entry), this rank's weight rows' gradient, the gathered logits and an embedding lookup."""
+    import torch.distributed as dist
+
+    from llmtrain.loss import output_layer
+    from llmtrain.parallel import tensor
+
+    group = dist.new_group([0, 1])
+    h, weight, labels = inputs(torch.float32)
+    weight = torch.cat([weight, weight[:1]]).detach()  # 98 rows: an even split
+    mine = weight.chunk(world_size)[rank].clone().requires_grad_()
+    h = h.detach().requires_grad_()
+    loss = output_layer(h, mine, labels, chunk_rows=16, group=group)
+    loss.backward()
+    ids = torch.tensor([[0, 48, 49, 97, 5]])
+    return {
+        "loss": loss.detach(),
+        "grad_h": h.grad,
+        "grad_rows": mine.grad,
+        "logits": output_layer(h.detach()[:3], mine.detach(), group=group),
+        "embedded": tensor.embed(ids, mine.detach(), group),
+    }
+
+
+def test_the_vocab_parallel_loss_and_embedding_equal_the_whole_vocabularys() -> None:
+    """Targets on both ranks' halves, ignored rows and a ragged last chunk: every rank's loss, the
+    summed hidden-state gradient and each rank's weight-row gradients are the one-process ones."""
+    from dist import run_distributed
+
+    h, weight, labels = inputs(torch.float32)
+    weight = torch.cat([weight, weight[:1]]).detach()
+    loss, grad_h, grad_w = loss_and_grads(fused, h, weight, labels)
+    assert {int(t) // 49 for t in labels if t != IGNORE_INDEX} == {0, 1}
+    ranks = run_distributed(_vocab_parallel, 2)
+    for rank, out in enumerate(ranks):
+        torch.testing.assert_close(out["loss"], loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(out["grad_h"], grad_h, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(out["grad_rows"], grad_w.chunk(2)[rank], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(out["logits"], F.linear(h.detach()[:3], weight))
+        torch.testing.assert_close(out["embedded"], F.embedding(torch.tensor([[0, 48, 49, 97, 5]]), weight))

@@ -91,18 +91,53 @@ def test_buffers_follow_the_generated_deepspeed_config() -> None:
 _7B = {"preset": "7b", "launch.gpus": 8, "zero.stage": 2, "train.micro_batch": 1, "train.seq_len": 4096}
 # 7b: hidden 4096, 32 layers, 32 heads (= KV heads), MLP 11008, vocabulary 32000 (untied).
 _SPLIT_7B = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o, gate, up, down of every layer
+_VOCAB_7B = 2 * 32000 * 4096  # the embedding and the output layer
 
 
-def test_tp_halves_the_split_matrices_and_not_the_embedding() -> None:
+def test_tp_halves_the_split_matrices_and_the_vocabulary() -> None:
     whole = _setup(**_7B)
     tp2 = _setup(**_7B, **{"parallel.tp": 2})
     assert whole.rank_params == count_parameters(**PRESETS["7b"]) == 6_738_415_616
-    assert whole.rank_params - tp2.rank_params == _SPLIT_7B // 2 == 3_238_002_688
-    assert max(memory.parameter_tensors(tp2.cfg.model, 2)) == 32000 * 4096  # embedding / lm_head whole
+    assert whole.rank_params - tp2.rank_params == (_SPLIT_7B + _VOCAB_7B) // 2 == 3_369_074_688
+    assert max(memory.parameter_tensors(tp2.cfg.model, 2)) == 16000 * 4096  # embedding / lm_head rows
     states = memory.model_states(tp2)
     assert tp2.zero_group == 4  # ZeRO partitions over the data-parallel ranks: 8 / tp 2
-    assert states.params_gpu == 2 * 3_500_412_928
-    assert states.optim_gpu == round(12 * 3_500_412_928 / 4)
+    assert states.params_gpu == 2 * 3_369_340_928
+    assert states.optim_gpu == round(12 * 3_369_340_928 / 4)
+
+
+def test_tp_divides_the_logits_and_sp_under_tp_divides_the_ulysses_buffers() -> None:
+    """The vocab-parallel loss computes V / tp logits per rank; under tp x sp each rank exchanges its
+    H / tp heads' q, k, v and output."""
+    flags = {**_7B, "train.micro_batch": 2}
+    one, tp2 = _setup(**flags), _setup(**flags, **{"parallel.tp": 2})
+    assert formulas.loss_chunk_bytes(tp2) * 2 == formulas.loss_chunk_bytes(one)
+    sp2, tp2_sp2 = (
+        _setup(**flags, **{"parallel.sp": 2}),
+        _setup(**flags, **{"parallel.tp": 2, "parallel.sp": 2}),
+    )
+    assert formulas.ulysses_buffer_bytes(tp2_sp2) * 2 == formulas.ulysses_buffer_bytes(sp2) > 0
+    assert tp2_sp2.zero_group == 4  # 8 / tp 2: ZeRO shards over dp 2 x sp 2
+
+
+def test_checkpointed_inputs_partitioned_over_tp_or_held_in_host_memory() -> None:
+    """DeepSpeed's activation checkpointing: each of the 32 recomputed blocks keeps its input (micro-batch
+    1 x 4096 tokens x 4096 wide, bf16) whole, 1/tp of it partitioned, or none of it on the GPU when it
+    lives in host memory (8 GPUs' worth per node)."""
+    flags = {**_7B, "parallel.tp": 2, "train.activation_checkpointing": "full"}
+    plain = memory.estimate(_setup(**flags))
+    parted = memory.estimate(_setup(**flags, **{"train.partition_activations": True}))
+    host = memory.estimate(_setup(**flags, **{"train.cpu_checkpointing": True}))
+    inputs = formulas.checkpointed_input_bytes(plain.setup)
+    assert inputs == 32 * 2 * 4096 * 4096
+
+    def activations(est: memory.Estimate) -> int:
+        return {t.name: t.bytes for t in est.gpu}["activations"]
+
+    assert activations(plain) - activations(parted) == inputs // 2
+    assert activations(plain) - activations(host) == inputs
+    assert {t.name: t.bytes for t in host.cpu}["checkpointed activations"] == 8 * inputs
+    assert "checkpointed activations" not in {t.name for t in plain.cpu}
 
 
 def test_sp_replicates_parameters_and_partitions_over_the_whole_world() -> None:
@@ -151,13 +186,14 @@ def test_fit_search_proposes_only_layouts_train_accepts_within_a_node() -> None:
             setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, c.sp, c.pp)
         )
         assert est.gpu_peak == c.gpu_bytes <= 24 * 10**9
-    # Fastest first: without offload, data parallelism alone, then sp, then tp.
-    kinds = [(c.tp > 1) - (c.sp > 1) for c in found if c.offload == "none"]
-    assert kinds == sorted(kinds, key=lambda k: (0, -1, 1).index(k))
+    assert (2, 2) in layouts  # tp x sp inside a node
+    # Fastest first: without offload, data parallelism alone, then sp, then tp (with or without sp).
+    kinds = [0 if c.tp == c.sp == 1 else 1 if c.tp == 1 else 2 for c in found if c.offload == "none"]
+    assert kinds == sorted(kinds)
 
 
 def test_fit_search_keeps_degrees_the_model_can_split() -> None:
-    # debug: 4 heads, 2 KV heads, seq 32 on 8 GPUs: tp and sp stop at 2 (KV heads), tp x sp never both.
+    # debug: 4 heads, 2 KV heads, seq 32 on 8 GPUs: tp and sp stop at 2 (KV heads), never both (2 x 2).
     setup = _setup(**{"preset": "debug", "launch.gpus": 8, "train.seq_len": 32})
     found = memory.fitting(setup, 80 * 10**9)
     assert {(c.tp, c.sp) for c in found} == {(1, 1), (2, 1), (1, 2)}
@@ -167,7 +203,9 @@ def test_fit_search_keeps_degrees_the_model_can_split() -> None:
 def test_cli_estimates_a_tp_layout(capsys: pytest.CaptureFixture[str]) -> None:
     doc = _cli_json(capsys, "--preset", "7b", "--tp", "2", "--gpus", "8", "--zero", "2")
     assert (doc["setup"]["tp"], doc["setup"]["layout"], doc["setup"]["zero_group"]) == (2, "dp 4 x tp 2", 4)
-    assert {r["term"]: r["bytes"] for r in doc["per_gpu"]}["parameters"] == 2 * 3_500_412_928
+    # Every matrix, the embedding and the output layer halved (vocab-parallel); the 65 norms (266,240
+    # elements) whole: (6,738,415,616 - 266,240) / 2 + 266,240 bf16 parameters.
+    assert {r["term"]: r["bytes"] for r in doc["per_gpu"]}["parameters"] == 2 * 3_369_340_928
     assert (
         main(
             [
@@ -326,7 +364,7 @@ def test_estimate_builds_no_model_and_imports_no_torch() -> None:
         (["--tp", "3", "--gpus", "8"], "--tp"),
         (["--sp", "3", "--gpus", "6", "--preset", "7b"], "--sp"),
         (["--tp", "2", "--zero", "0", "--gpus", "2"], "--zero"),
-        (["--tp", "2", "--sp", "2", "--gpus", "4"], "--sp"),
+        (["--tp", "2", "--sp", "2", "--gpus", "4", "--preset", "debug"], "--sp"),  # 2 KV heads
         (["--tp", "2", "--gpus", "2", "--params", "7e9"], "--tp"),
     ],
 )

@@ -1,9 +1,13 @@
 """Tensor and sequence parallelism on the real DeepSpeed engine (CPU, gloo, fp32).
 
-- Trajectories: 10 steps of tp 2 and sp 2 on 2 processes, and of dp 2 x tp 2 and dp 2 x sp 2 on 4,
-  each with ZeRO 1 and ZeRO 3 (tp 2 also with ZeRO 2, sp also with document masking), give the losses
-  of one process on the same global batch, to a relative 1e-5; tp 2 in bf16 (ZeRO 1 and 3) those of one bf16 process to 1e-3. One launch per world size: the scenarios build their engines
-  in turn.
+- Trajectories: 10 steps of tp 2 and sp 2 on 2 processes, and of dp 2 x tp 2, dp 2 x sp 2 and
+  tp 2 x sp 2 on 4, each with ZeRO 1 and ZeRO 3 (tp 2 also with ZeRO 2, sp also with document masking),
+  give the losses of one process on the same global batch, to a relative 1e-5 (tp with the
+  vocab-parallel embedding and loss); tp 2 (ZeRO 1 and 3), sp 2 and tp 2 x sp 2 (ZeRO 1) in bf16 those
+  of one bf16 process to 1e-3. One launch per world size: the scenarios build their engines in turn.
+- DeepSpeed's activation checkpointing at tp 2 (block inputs partitioned over the tp ranks, in host
+  memory, both) follows the same run through torch's checkpoint to 1e-5; partitioned, each block keeps
+  exactly 1/tp of its input, as the estimator counts it.
 - A NaN loss on one rank skips that update on every rank of a tp or an sp group.
 - Through the command line: `train --gpus 2 --tp 2` (and --sp 2) follows a one-process `train` to 1e-5;
   SIGKILL mid-run and `resume` give every step's loss, lr and grad norm bitwise equal to the
@@ -82,7 +86,10 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "batch2_docs_unmasked": {},
     "batch4": {"train.global_batch": 4},
     "batch2_bf16": {"train.precision": "bf16"},
+    "batch2_mha": {"model.num_key_value_heads": 4},  # 4 key/value heads: tp 2 x sp 2 splits them
+    "batch2_mha_bf16": {"model.num_key_value_heads": 4, "train.precision": "bf16"},
 }
+TP2_SP2 = {"parallel.tp": 2, "parallel.sp": 2, "model.num_key_value_heads": 4}
 TWO: dict[str, tuple[str, dict[str, Any]]] = {
     "sp2_zero1": ("batch2", {"parallel.sp": 2, "zero.stage": 1}),
     "sp2_zero3": ("batch2", {"parallel.sp": 2, "zero.stage": 3}),
@@ -92,14 +99,31 @@ TWO: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2_zero3": ("batch2", {"parallel.tp": 2, "zero.stage": 3}),
     "tp2_zero1_bf16": ("batch2_bf16", {"parallel.tp": 2, "zero.stage": 1, "train.precision": "bf16"}),
     "tp2_zero3_bf16": ("batch2_bf16", {"parallel.tp": 2, "zero.stage": 3, "train.precision": "bf16"}),
+    "sp2_zero1_bf16": ("batch2_bf16", {"parallel.sp": 2, "zero.stage": 1, "train.precision": "bf16"}),
 }
 FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2_sp2_zero1": ("batch4", {"parallel.sp": 2, "zero.stage": 1}),
     "dp2_sp2_zero3": ("batch4", {"parallel.sp": 2, "zero.stage": 3}),
     "dp2_tp2_zero1": ("batch4", {"parallel.tp": 2, "zero.stage": 1}),
     "dp2_tp2_zero3": ("batch4", {"parallel.tp": 2, "zero.stage": 3}),
+    "tp2_sp2_zero1": ("batch2_mha", {**TP2_SP2, "zero.stage": 1}),
+    "tp2_sp2_zero3": ("batch2_mha", {**TP2_SP2, "zero.stage": 3}),
+    "tp2_sp2_zero1_bf16": ("batch2_mha_bf16", {**TP2_SP2, "zero.stage": 1, "train.precision": "bf16"}),
 }
 
+# DeepSpeed's activation checkpointing at tp 2 against the same run recomputed through torch's checkpoint:
+# block inputs partitioned over the tp ranks, in host memory, and both.
+RECOMPUTED: dict[str, Any] = {"parallel.tp": 2, "zero.stage": 1, "train.activation_checkpointing": "full"}
+CHECKPOINTED: dict[str, dict[str, Any]] = {
+    "tp2_full": RECOMPUTED,
+    "tp2_full_partitioned": {**RECOMPUTED, "train.partition_activations": True},
+    "tp2_full_cpu": {**RECOMPUTED, "train.cpu_checkpointing": True},
+    "tp2_full_partitioned_cpu": {
+        **RECOMPUTED,
+        "train.partition_activations": True,
+        "train.cpu_checkpointing": True,
+    },
+}
 
 # A NaN loss on rank 1 only, at step 2 (0-based 1), in 4-step runs at world size 2.
 NAN_FAULT, NAN_STEPS = "nan_loss@1:1", 4
@@ -125,10 +149,44 @@ def _nan_skips(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _checkpointed_inputs(rank: int, world_size: int, root: str) -> list[list[int]]:
+    """What each checkpointed block of the partitioned tp 2 run keeps for its recompute after one
+    forward: the element counts of the inputs DeepSpeed's checkpoint nodes in the autograd graph hold
+    back (the partitions of the inputs it emptied in place)."""
+    import torch
+
+    flags = {**COMMON, **CHECKPOINTED["tp2_full_partitioned"]}
+    trainer = trainkit.build(rank, world_size, str(Path(root) / "saved_inputs"), flags)
+    ids = torch.randint(0, 100, (COMMON["train.micro_batch"], COMMON["train.seq_len"]))
+    loss = trainer.engine.module(input_ids=ids, labels=ids)
+    nodes, todo = [], [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.append(node)
+        todo += [parent for parent, _ in node.next_functions]
+    saved = [
+        [
+            t.saved_data.numel()
+            for t in node.deepspeed_saved_tensors
+            if getattr(t, "saved_data", None) is not None
+        ]
+        for node in nodes
+        if type(node).__name__ == "CheckpointFunctionBackward"
+    ]
+    loss.backward()
+    return saved
+
+
 def _train_and_skip(
     rank: int, world_size: int, root: str, scenarios: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
-    return {**_train(rank, world_size, root, scenarios), "nan_skips": _nan_skips(rank, world_size, root)}
+    return {
+        **_train(rank, world_size, root, scenarios),
+        "nan_skips": _nan_skips(rank, world_size, root),
+        "saved_inputs": _checkpointed_inputs(rank, world_size, root),
+    }
 
 
 def _launch(root: Path, world_size: int, scenarios: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -143,7 +201,7 @@ def trajectories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("parallel")
     _short_documents(root / "short_docs.jsonl")
     out = _launch(root, 1, REFERENCES)
-    out.update(_launch(root, 2, {name: flags for name, (_, flags) in TWO.items()}))
+    out.update(_launch(root, 2, {**{name: flags for name, (_, flags) in TWO.items()}, **CHECKPOINTED}))
     out.update(_launch(root, 4, {name: flags for name, (_, flags) in FOUR.items()}))
     return out
 
@@ -170,6 +228,28 @@ def test_parallel_run_follows_the_one_process_trajectory(
     assert reference[-1] < reference[0]  # it trains at all
     tolerance = REL_TOL_BF16 if name.endswith("bf16") else REL_TOL
     assert _rel_diff(got, reference) < tolerance, (name, got, reference)
+
+
+@pytest.mark.parametrize("name", [n for n in CHECKPOINTED if n != "tp2_full"])
+def test_deepspeed_activation_checkpointing_follows_torchs(trajectories: dict[str, Any], name: str) -> None:
+    """Partitioned over the tp ranks and all-gathered for the recompute, or held in host memory: the
+    same losses as the blocks recomputed from torch's checkpoint."""
+    reference, got = trajectories["tp2_full"], trajectories[name]
+    assert len(got) == STEPS and _rel_diff(got, reference) < REL_TOL, (name, got, reference)
+
+
+def test_partitioned_activations_keep_one_tp_share_of_each_block_input(trajectories: dict[str, Any]) -> None:
+    """Each checkpointed block keeps 1/tp of its input (micro-batch x seq_len x hidden), as the
+    estimator's checkpointed_input_bytes counts it."""
+    from llmtrain import memory
+    from llmtrain.config import resolve
+    from llmtrain.memory import formulas
+
+    cfg = resolve(flags={**COMMON, **CHECKPOINTED["tp2_full_partitioned"], "launch.gpus": 2})
+    share = COMMON["train.micro_batch"] * COMMON["train.seq_len"] * cfg.model.hidden_size // 2
+    assert trajectories["saved_inputs"] == [[share]] * cfg.model.num_hidden_layers
+    setup = memory.setup_from_config(cfg, None, shape_known=True)
+    assert formulas.checkpointed_input_bytes(setup) == 4 * share * cfg.model.num_hidden_layers  # fp32
 
 
 @pytest.mark.parametrize("axis", ["tp", "sp"])

@@ -57,9 +57,24 @@ def build(
         "zero_allow_untested_optimizer": True,
     }
     ds.update(_precision(cfg, accelerator))
+    if cfg.train.partition_activations or cfg.train.cpu_checkpointing:
+        ds["activation_checkpointing"] = activation_checkpointing(cfg)
     if load_universal:
         ds["checkpoint"] = {"load_universal": True}
     return ds
+
+
+def activation_checkpointing(cfg: TrainConfig) -> dict[str, Any]:
+    """DeepSpeed's activation checkpointing: where a checkpointed block keeps its inputs until the
+    recompute. The model's checkpointed blocks run through deepspeed.checkpointing, configured from
+    this block (engine.ds_engine)."""
+    return {
+        "partition_activations": cfg.train.partition_activations,  # 1/tp of each input per tp rank
+        "cpu_checkpointing": cfg.train.cpu_checkpointing,  # in host memory
+        "contiguous_memory_optimization": False,
+        "synchronize_checkpoint_boundary": False,
+        "profile": False,
+    }
 
 
 def _optimizer(cfg: TrainConfig, accelerator: str) -> dict[str, Any]:

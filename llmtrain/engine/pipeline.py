@@ -28,23 +28,25 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, BeforeUpdate, JudgeNorm, never_skip
-from llmtrain.engine.ds_engine import DeepSpeedEngine, param_groups
+from llmtrain.engine.ds_engine import DeepSpeedEngine, param_groups, use_deepspeed_checkpointing
 from llmtrain.engine.pipe_schedules import SCHEDULES, AgreeOnUpdate
-from llmtrain.loss import OutputLayer, linear_cross_entropy
+from llmtrain.loss import OutputLayer, output_layer
 from llmtrain.model import (
     Block,
+    Recompute,
     RMSNorm,
+    TokenEmbedding,
     build_model,
     checkpointed_blocks,
     document_positions_and_mask,
     init_parameter,
     rope_cos_sin,
     rope_inv_freq,
+    torch_recompute,
 )
 from llmtrain.parallel import stages
 from llmtrain.parallel import tensor as tensor_parallel
@@ -73,7 +75,7 @@ class EmbedStage(_Stage, nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = TokenEmbedding(cfg.vocab_size, cfg.hidden_size)
         _allocated(self, device)
 
     def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -96,6 +98,7 @@ class BlockStage(_Stage, Block):
         self.prefix = stages.layer_prefix(index + 1, cfg.num_hidden_layers)
         self.model_cfg = cfg
         self.checkpointed = checkpointed
+        self.recompute: Recompute = torch_recompute  # as model.Llama's
 
     def forward(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:  # type: ignore[override]
         x, positions, labels, *doc_ids = inputs
@@ -103,7 +106,7 @@ class BlockStage(_Stage, Block):
         mask = document_positions_and_mask(doc_ids[0])[1] if doc_ids else None
         block = super().forward
         if self.checkpointed and torch.is_grad_enabled():
-            x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            x = self.recompute(block, x, cos, sin, mask)
         else:
             x = block(x, cos, sin, mask)
         return (x, positions, labels, *doc_ids)
@@ -141,7 +144,8 @@ class HeadStage(_Stage, nn.Module):
 def _tied_head(embedding: EmbedStage, inputs: tuple[Tensor, Tensor]) -> Tensor:
     """The tied output layer: the loss projected with the last stage's copy of the embedding."""
     h, labels = inputs
-    return linear_cross_entropy(h, embedding.embed_tokens.weight, labels)
+    embed_tokens = embedding.embed_tokens
+    return output_layer(h, embed_tokens.weight, labels, group=embed_tokens.tp_group)
 
 
 class LlamaPipeline(PipelineModule):
@@ -323,8 +327,9 @@ def build_engine(
     layout = cfg.layout(world_size)
     mesh = process_groups(layout)
     pipe = build_pipeline(cfg, device, layout)
-    if mesh is not None:  # tensor parallelism inside each stage, over the mesh's tensor group
+    if mesh is not None and layout.tp > 1:  # tensor parallelism inside each stage, over its tensor group
         tensor_parallel.shard(pipe, mesh.get_tensor_model_parallel_group())
+    use_deepspeed_checkpointing(pipe, ds_config, mesh, device)
     groups = param_groups(named_parameters(pipe), cfg.optim.weight_decay)
     with held_stdout():  # the bf16 optimizer prints memory reports
         engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)

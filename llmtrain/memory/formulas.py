@@ -262,7 +262,8 @@ def _planned_precision(cfg: TrainConfig) -> TrainConfig:
 def parameter_tensors(model: ModelConfig, tp: int = 1) -> list[int]:
     """Element counts of every parameter tensor of llmtrain.model.Llama (a tied lm_head counted once) that
     one rank holds under tensor parallelism of degree `tp`, as parallel.partition splits them: each
-    layer's q, k, v, o, gate, up and down matrices into tp slices; norms, the embedding and lm_head whole."""
+    layer's q, k, v, o, gate, up and down matrices, the embedding and lm_head into tp slices; norms
+    whole."""
     return [spec.per_rank(tp) for spec in partition.tensors(model)]
 
 
@@ -574,7 +575,7 @@ def layer_activation_bytes(
     kv = d if doc_mask else model.num_key_value_heads * model.head_width
     norms = 2 * (tokens * d * b + FP32 * tokens)
     heads = (b * tokens * (2 * d + 2 * kv) + FP32 * tokens * model.num_attention_heads) // tp
-    regathered = b * tokens * d if sp > 1 else 0
+    regathered = b * tokens * d // tp if sp > 1 else 0  # this tp rank's heads
     attention = b * tokens * d + heads + regathered
     mlp = b * tokens * d + 4 * b * tokens * model.intermediate_size // tp
     return norms + attention + mlp
@@ -614,9 +615,9 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     span = setup.spans[stage]
     b, tokens, doc_mask = setup.lp_bytes, rank_tokens(setup), setup.cfg.data.document_masking
     recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
-    # A recomputed block keeps only its input (the residual stream).
     residual = hidden_state_bytes(setup)
-    blocks = recomputed * residual + (span.blocks - recomputed) * _layer_bytes(setup)
+    on_gpu = 0 if t.cpu_checkpointing else checkpointed_input_bytes(setup, stage)
+    blocks = on_gpu + (span.blocks - recomputed) * _layer_bytes(setup)
     # RoPE's cos and sin ([B, T / sp, head_dim] each) and the boolean block-diagonal mask: the model
     # computes them once for all its blocks; a pipeline's blocks each compute their own from the
     # positions (and document ids) passed between stages.
@@ -629,10 +630,22 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     if span.head:
         final_norm = tokens * m.hidden_size * b + FP32 * tokens
         # The fused loss keeps its gradients from forward to backward: for the final hidden states (a
-        # residual stream's size) and for the output weight (lm_head is whole on every tp rank); + the
-        # token count.
-        head = final_norm + residual + b * m.vocab_size * m.hidden_size + 8
+        # residual stream's size) and for this rank's V / tp rows of the output weight; + the token count.
+        head = final_norm + residual + b * m.vocab_size // setup.layout.tp * m.hidden_size + 8
     return blocks + rope + mask + ids + head + pipeline_io_bytes(setup, span)
+
+
+def checkpointed_input_bytes(setup: Setup, stage: int = 0) -> int:
+    """What the recomputed blocks of one micro-batch keep on one rank (of pipeline stage `stage`): each
+    its input, the residual stream; 1/tp of it with partitioned activations (DeepSpeed splits it over
+    the tp ranks and all-gathers it for the recompute). In host memory with --cpu-checkpointing."""
+    t = setup.cfg.train
+    span = setup.spans[stage]
+    recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
+    per_block = hidden_state_bytes(setup)
+    if t.partition_activations:
+        per_block //= setup.layout.tp
+    return recomputed * per_block
 
 
 def pipeline_io_bytes(setup: Setup, span: StageSpan) -> int:
@@ -674,24 +687,25 @@ def loss_chunk_bytes(setup: Setup) -> int:
     """The fused output layer + cross-entropy (llmtrain.loss) while it runs, besides the gradients it
     keeps (counted with the activations): one chunk's fp32 logits (overwritten by their gradient) and
     that gradient's low-precision copy, and the output weight's gradient summed over the chunks in fp32
-    next to one chunk's low-precision product (or, at the end, the cast). lm_head is whole on every tp
-    rank, so tp leaves this as is."""
+    next to one chunk's low-precision product (or, at the end, the cast). Under tp each rank computes
+    the logits of its V / tp vocabulary rows (the vocab-parallel loss)."""
     m, tokens, lp = setup.cfg.model, rank_tokens(setup), setup.lp_bytes
     rows = min(LOSS_CHUNK_ROWS, tokens)
+    vocab = m.vocab_size // setup.layout.tp
     low_precision_copy = lp if lp < FP32 else 0  # in fp32 the logits are their own gradient buffer
-    chunk = (FP32 + low_precision_copy) * rows * m.vocab_size
-    return chunk + (FP32 + low_precision_copy) * m.vocab_size * m.hidden_size
+    chunk = (FP32 + low_precision_copy) * rows * vocab
+    return chunk + (FP32 + low_precision_copy) * vocab * m.hidden_size
 
 
 def ulysses_buffer_bytes(setup: Setup) -> int:
     """Sequence parallelism's all-to-all buffers of one attention layer: q, k and v exchanged in and the
-    output exchanged back, each this rank's seq / sp tokens of all heads. They bound the contiguous send
-    copy and receive buffer DeepSpeed allocates per exchange; 0 without sp."""
+    output exchanged back, each this rank's seq / sp tokens of all its heads (H / tp under tp). They
+    bound the contiguous send copy and receive buffer DeepSpeed allocates per exchange; 0 without sp."""
     if setup.layout.sp == 1:
         return 0
     m = setup.cfg.model
     kv = m.num_key_value_heads * m.head_width  # exchanged before document masking repeats them
-    return 2 * setup.lp_bytes * rank_tokens(setup) * (m.hidden_size + kv)
+    return 2 * setup.lp_bytes * rank_tokens(setup) * (m.hidden_size + kv) // setup.layout.tp
 
 
 # ---------------------------------------------------------------- the breakdown
@@ -847,8 +861,8 @@ def _split_note(setup: Setup) -> str:
         )
     if lay.tp > 1:
         return (
-            f"; q,k,v,o,gate,up,down / tp {lay.tp} ({setup.rank_params:,} params per rank), "
-            "embedding, lm_head and norms whole"
+            f"; q,k,v,o,gate,up,down, embedding and lm_head / tp {lay.tp} ({setup.rank_params:,} "
+            "params per rank), norms whole"
         )
     return f"; replicated over sp {lay.sp}" if lay.sp > 1 else ""
 
@@ -861,6 +875,10 @@ def _activation_terms(setup: Setup) -> list[Term]:
     mode_note = f"selective, every {t.checkpoint_every_k}" if mode == "selective" else mode
     tokens = f"{t.seq_len} tokens" if lay.sp == 1 else f"{t.seq_len} / sp {lay.sp} tokens"
     split = f"; attention and MLP inner activations / tp {lay.tp}" if lay.tp > 1 else ""
+    if t.cpu_checkpointing:
+        split += "; checkpointed blocks' inputs in host memory"
+    elif t.partition_activations:
+        split += f"; checkpointed blocks' inputs partitioned / tp {lay.tp}"
     peak = activation_peak_stage(setup) if lay.pp > 1 else 0
     terms = [
         Term(
@@ -989,6 +1007,12 @@ def _host_terms(setup: Setup, s: ModelStates) -> tuple[list[Term], list[Term]]:
         Term("offloaded gradients", g * s.grads_cpu, "always", grads_note),
         Term("offloaded optimizer states", g * s.optim_cpu, "always", optim_note),
     ]
+    if setup.cfg.train.cpu_checkpointing and setup.shape_known:
+        peak = activation_peak_stage(setup) if setup.layout.pp > 1 else 0
+        held = setup.in_flight(peak) * checkpointed_input_bytes(setup, peak)
+        split = f" / tp {setup.layout.tp}" if setup.cfg.train.partition_activations else ""
+        note = f"checkpointed blocks' inputs{split} (--cpu-checkpointing), per GPU x {g}"
+        cpu.append(Term("checkpointed activations", g * held, "always", note))
     if setup.engine == "deepspeed" and setup.stage in (1, 2) and setup.offload == "cpu":
         staging = round(b * setup.rank_params / setup.zero_group) + b * _largest_param(setup)
         cpu.append(Term("pinned staging buffers", g * staging, "always", "bit16 partition + largest grad"))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from llmtrain.config import ModelConfig, PipeSchedule
 from llmtrain.parallel import partition
-from llmtrain.parallel.stages import EMBED, HEAD, pipeline_layers, stage_bounds
+from llmtrain.parallel.stages import EMBED, HEAD, PipelineLayer, pipeline_layers, stage_bounds
 
 SCHEDULES = typing.get_args(PipeSchedule)
 
@@ -56,9 +56,7 @@ def stage_spans(model: ModelConfig, pp: int, method: str, tp: int = 1) -> list[S
                 blocks=blocks,
                 embedding=any(layer.kind == EMBED for layer in held),
                 head=any(layer.kind == HEAD for layer in held),
-                parameters=sum(
-                    block_per_rank if layer.kind == "block" else layer.parameters for layer in held
-                ),
+                parameters=sum(_per_rank(layer, block_per_rank, tp) for layer in held),
                 largest_tensor=max(_largest_tensor(model, layer.kind, tp) for layer in held),
             )
         )
@@ -76,11 +74,19 @@ def describe_span(span: StageSpan) -> str:
     return ", ".join(parts)
 
 
+def _per_rank(layer: PipelineLayer, block_per_rank: int, tp: int) -> int:
+    """Elements one tp rank holds of a pipeline layer: a block's split share, the embedding's or the
+    output layer's V / tp rows (vocab-parallel), the whole final norm."""
+    if layer.kind == "block":
+        return block_per_rank
+    return layer.parameters // tp if layer.kind in (EMBED, HEAD) else layer.parameters
+
+
 def _largest_tensor(model: ModelConfig, kind: str, tp: int) -> int:
     """Elements of the largest parameter tensor one rank holds of a layer of this kind."""
     d = model.hidden_size
     if kind in (EMBED, HEAD):
-        return model.vocab_size * d
+        return model.vocab_size // tp * d
     if kind == "block":
         return max(spec.per_rank(tp) for spec in partition.block_tensors(model))
     return d  # the final norm

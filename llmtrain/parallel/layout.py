@@ -10,11 +10,10 @@ any set of axes; parallel.mesh builds the process groups from it.
 - Data: the ranks of one model-parallel group read the same samples. The loader's rank is d and its
   world dp; tp ranks compute on identical inputs, sp ranks each keep their slice of the same sequences
   (the model cuts it: `Llama.set_sequence_parallel`).
-- DeepSpeed: the groups reach `deepspeed.initialize` as its `mpu` argument (parallel.mesh). For tp that
-  is llmtrain's mesh: ZeRO shards over the data group, the gradient norm sums over the model group; for
-  sp, DeepSpeed's Ulysses groups (`parallel_state_sp`): ZeRO then shards and reduces over the dp x sp
-  ranks and divides by dp only, so the sp ranks' partial gradients add up. Without an mpu, DeepSpeed
-  skips the gradient synchronisation of sp ranks and counts tp ranks as data-parallel ones.
+- DeepSpeed: the groups reach `deepspeed.initialize` as its `mpu` argument (parallel.mesh): ZeRO shards
+  and reduces over the dp x sp ranks and divides by dp only, so the sp ranks' partial gradients add up;
+  the gradient norm sums over the model group. Without an mpu, DeepSpeed skips the gradient
+  synchronisation of sp ranks and counts tp ranks as data-parallel ones.
 - Pipeline: the first and last stages of each pipeline read the samples of data rank d (the first
   the inputs, the last the labels); DeepSpeed's PipelineModule builds the (pipe, data) grid itself.
 """
@@ -89,7 +88,7 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 
 def check_shape(
-    layout: Layout, *, heads: int, kv_heads: int, mlp_width: int, seq_len: int, layers: int
+    layout: Layout, *, heads: int, kv_heads: int, mlp_width: int, vocab: int, seq_len: int, layers: int
 ) -> None:
     """What DeepSpeed cannot split of this model and sequence length: a one-line error naming the flag,
     before any process starts (config.check_layout passes the config's numbers)."""
@@ -108,17 +107,30 @@ def check_shape(
         "parallel.pp",
         f"{layout.pp} stages for {layers} transformer blocks; use at most {layers} stages",
     )
-    for key, degree, what in (("parallel.tp", layout.tp, "tp"), ("parallel.sp", layout.sp, "sp")):
+    # Heads are split whole, and each rank's query heads must share its key/value heads: tp splits
+    # them first, then Ulysses' all-to-all splits each tp rank's heads over sp.
+    splits = (
+        ("parallel.tp", layout.tp, f"tp {layout.tp}"),
+        ("parallel.sp", layout.sp, f"sp {layout.sp}"),
+        ("parallel.sp", layout.tp * layout.sp, f"tp {layout.tp} x sp {layout.sp}"),
+    )
+    for key, degree, what in splits:
         if degree == 1:
             continue
-        # Heads are split whole, and each rank's query heads must share its key/value heads.
         for count, name in ((heads, "attention heads"), (kv_heads, "key/value heads")):
-            _require(count % degree == 0, key, f"{count} {name} are not divisible by {what} {degree}")
+            _require(count % degree == 0, key, f"{count} {name} are not divisible by {what}")
     if layout.tp > 1:
         _require(
             mlp_width % layout.tp == 0,
             "parallel.tp",
             f"MLP width {mlp_width} is not divisible by tp {layout.tp}",
+        )
+        # The embedding and the output layer are split by vocabulary, in equal blocks of token rows.
+        _require(
+            vocab % layout.tp == 0,
+            "parallel.tp",
+            f"vocabulary size {vocab} is not divisible by tp {layout.tp}; pad it (--set "
+            f"model.vocab_size=...) to a multiple of {layout.tp}",
         )
     if layout.sp > 1:
         _require(

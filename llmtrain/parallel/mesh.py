@@ -4,9 +4,11 @@ Named groups, each the ranks that differ only along some axes (rank order as Lay
 pp outermost): `tensor` (tp), `sequence` (sp), `data` (dp: the ranks that see distinct samples),
 `zero` (dp x sp: the ranks ZeRO shards over), `pipeline` (pp) and `model` (pp x tp: the ranks that hold
 distinct parts of one replica, over which a gradient norm is summed). DeepSpeed gets the mesh as its
-`mpu` (the Megatron interface it reads: data, model and tensor groups, ranks and sizes); the model's
-tensor-parallel layers take its tensor group. Every rank creates every group, in the same order, as
-torch.distributed requires.
+`mpu` (the Megatron interface it reads: data, model and tensor groups, ranks and sizes, and the
+sequence and sequence-data groups of its Ulysses support: ZeRO shards and reduces over the `zero` group
+and divides by dp only, so the sp ranks' partial gradients add up); the model's tensor-parallel layers
+take its tensor group, Ulysses' attention its sequence group. Every rank creates every group, in the
+same order, as torch.distributed requires.
 """
 
 from __future__ import annotations
@@ -88,6 +90,24 @@ class Mesh:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._ranks["tensor"][0]
 
+    def get_sequence_parallel_group(self) -> Any:
+        return self._groups["sequence"]
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._index("sequence")
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return len(self._ranks["sequence"])
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self._groups["zero"]
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._index("zero")
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return len(self._ranks["zero"])
+
     def get_pipeline_model_parallel_group(self) -> Any:
         return self._groups["pipeline"]
 
@@ -98,32 +118,15 @@ class Mesh:
         return len(self._ranks["pipeline"])
 
 
-def process_groups(layout: Layout) -> Any:
-    """The `mpu` object `deepspeed.initialize` takes for this layout (None for data parallelism alone):
-    the mesh under tensor parallelism; under sequence parallelism DeepSpeed's Ulysses groups
-    (`parallel_state_sp`), which DeepSpeed recognises by their module and reduces over specially.
-
-    Built once per process: DeepSpeed keeps the sp groups in module globals.
-    """
+def process_groups(layout: Layout) -> Mesh | None:
+    """The `mpu` object `deepspeed.initialize` takes for this layout: the mesh, or None for data
+    parallelism alone."""
     import torch.distributed as dist
 
-    if layout.model_parallel > 1:
-        _adopt_process_group()
-    if layout.tp > 1:
-        return Mesh.build(layout, dist.get_rank())
-    if layout.sp > 1:
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp as sp_state
-
-        if sp_state._SEQUENCE_PARALLEL_GROUP is None:
-            sp_state.initialize_sequence_parallel(layout.sp)
-        if sp_state.get_sequence_parallel_world_size() != layout.sp:
-            # one process runs one layout: DeepSpeed's sp groups cannot be rebuilt
-            raise RuntimeError(
-                f"this process already has sequence-parallel groups of "
-                f"{sp_state.get_sequence_parallel_world_size()} ranks, not {layout.sp}"
-            )
-        return sp_state
-    return None
+    if layout.model_parallel == 1:
+        return None
+    _adopt_process_group()
+    return Mesh.build(layout, dist.get_rank())
 
 
 def _adopt_process_group() -> None:

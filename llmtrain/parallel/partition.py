@@ -6,8 +6,10 @@ read.
 Megatron's split of a transformer block: the projections into the heads and into the MLP are
 column-parallel (each rank keeps a block of output rows, dim 0 of the weight: whole heads, a slice of the
 MLP width), the projections back to the hidden size row-parallel (a block of input columns, dim 1), so a
-block needs one all-reduce after attention and one after the MLP. Norms, the embedding and the output
-layer stay whole on every rank. Torch-free, like the estimator that reads it.
+block needs one all-reduce after attention and one after the MLP. The embedding and the output layer are
+split by vocabulary (dim 0: each rank a block of token rows; a lookup sums the ranks' rows, the loss is
+computed vocab-parallel: llmtrain.loss). Norms stay whole on every rank. Torch-free, like the estimator
+that reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ TP_SPLIT_DIM: dict[str, int] = {
     "up_proj": COLUMN,
     "o_proj": ROW,
     "down_proj": ROW,
+    "embed_tokens": COLUMN,  # token rows
+    "lm_head": COLUMN,
 }
 
 

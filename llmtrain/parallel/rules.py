@@ -87,26 +87,10 @@ RULES: tuple[Rule, ...] = (
         "fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16 kernels); use --precision bf16 or fp32",
     ),
     Rule(
-        "parallel.sp",
-        lambda c: c.tp > 1 and c.sp > 1,
-        "--tp {tp} with --sp {sp}: llmtrain runs tensor and sequence parallelism each beside data "
-        "parallelism, not together; use one of them, with data parallelism over the remaining ranks",
-    ),
-    Rule(
         "parallel.pp",
         lambda c: c.pp > 1 and c.sp > 1,
         "--pp {pp} with --sp {sp}: llmtrain runs sequence parallelism beside data (and not pipeline) "
         "parallelism; use --pp with --tp and data parallelism, or --sp without --pp",
-    ),
-    Rule(
-        "zero.stage",
-        # DeepSpeed 0.19.8's BF16_Optimizer (ZeRO 1 in bf16) takes Ulysses' sequence-parallel rank for a
-        # tensor-parallel one and leaves sp rank 1 with no gradient to measure: the first step fails.
-        # auto is refused too: it is bf16 on the machines that have it, and a config should not be valid
-        # on one machine and refused on the next.
-        lambda c: c.stage == 1 and c.precision in ("bf16", "auto") and c.sp > 1,
-        "ZeRO 1 in bf16 with --sp fails in DeepSpeed's bf16 optimizer (--precision {precision}); use --zero 2 "
-        "(or 3), or --precision fp32",
     ),
     Rule(
         "zero.stage",

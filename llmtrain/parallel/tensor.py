@@ -5,6 +5,8 @@ Every rank builds the whole model from the same seed (or loads the same source w
 slice of each split weight, so a tensor-parallel run starts from exactly the one-process weights. In the
 forward pass a block's input enters the tp region unchanged (`enter`: the gradient flowing back out of it
 is the sum of every rank's part) and the row-parallel output leaves it summed over the ranks (`leave`).
+The embedding holds V / tp token rows per rank: each rank looks up the ids it holds and the rows are
+summed over the ranks (`embed`); the output layer's vocab-parallel loss is llmtrain.loss's.
 Split weights carry DeepSpeed's `tensor_model_parallel` mark: its ZeRO optimizers then count each rank's
 slices in the gradient norm and replicated weights once.
 """
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llmtrain.parallel.partition import tp_split_dim
@@ -59,9 +62,32 @@ def leave(x: Tensor, group: Any) -> Tensor:
     return x if group is None else _Leave.apply(x, group)
 
 
+class _GatherLastDim(torch.autograd.Function):
+    """The tp ranks' slices concatenated along the last dim, in rank order; backward keeps this rank's
+    slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def gather_last_dim(x: Tensor, group: Any) -> Tensor:
+    """Vocabulary-parallel logits [..., V / tp] -> the whole [..., V] (no-op without a tp group)."""
+    return x if group is None else _GatherLastDim.apply(x, group)
+
+
 def shard(model: nn.Module, group: Any) -> None:
     """Keep this rank's slice of every weight parallel.partition splits, and route the blocks' attention
-    and MLP through the tp group. `model` is whole and identical on every rank of `group`."""
+    and MLP, the embedding and the output layer through the tp group. `model` is whole and identical on
+    every rank of `group`; a tied output layer is tied again to the embedding's slice."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = dict(model.named_modules())
     for name in [name for name, _ in model.named_parameters()]:
@@ -69,19 +95,37 @@ def shard(model: nn.Module, group: Any) -> None:
         if dim is None:
             continue
         owner = modules[name.rsplit(".", 1)[0]]
-        assert isinstance(owner, nn.Linear)
+        assert isinstance(owner, nn.Linear | nn.Embedding)
         _keep_slice(owner, dim, size, rank)
     for module in model.modules():
         if hasattr(module, "tp_group"):
             module.tp_group = group
+    # model.Llama's tie (a pipeline's tied weight is DeepSpeed's, sliced on both stages alike)
+    if getattr(getattr(model, "cfg", None), "tie_word_embeddings", False):
+        model.tie_weights()  # type: ignore[operator]
 
 
-def _keep_slice(linear: nn.Linear, dim: int, size: int, rank: int) -> None:
-    whole = linear.weight.detach()
+def _keep_slice(owner: nn.Linear | nn.Embedding, dim: int, size: int, rank: int) -> None:
+    whole = owner.weight.detach()
     if whole.shape[dim] % size:
         raise ValueError(f"a weight of shape {tuple(whole.shape)} does not split into {size} along dim {dim}")
-    part = nn.Parameter(whole.chunk(size, dim)[rank].clone(), requires_grad=linear.weight.requires_grad)
+    part = nn.Parameter(whole.chunk(size, dim)[rank].clone(), requires_grad=owner.weight.requires_grad)
     part.tensor_model_parallel = True  # type: ignore[attr-defined]  # DeepSpeed's mark (runtime.utils)
     part.partition_dim = dim  # type: ignore[attr-defined]
-    linear.weight = part
-    linear.out_features, linear.in_features = part.shape
+    owner.weight = part
+    if isinstance(owner, nn.Linear):
+        owner.out_features, owner.in_features = part.shape
+    else:
+        owner.num_embeddings = part.shape[0]
+
+
+def embed(ids: Tensor, weight: Tensor, group: Any) -> Tensor:
+    """Vocabulary-parallel embedding lookup: this rank's rows `weight` [V / tp, D] (in rank order) give
+    the ids it holds, zeros for the rest, summed over the tp ranks. Without a group, a plain lookup."""
+    if group is None:
+        return F.embedding(ids, weight)
+    start = dist.get_rank(group) * weight.shape[0]
+    local = ids - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    rows = F.embedding(local.masked_fill(outside, 0), weight)
+    return leave(rows.masked_fill(outside.unsqueeze(-1), 0.0), group)
