@@ -1,8 +1,8 @@
 """export / eval / generate from a pipeline-parallel checkpoint: the 1-process model's weights.
 
 One configuration trains three times through the real entry point: one process, `--gpus 2 --pp 2`
-and `--gpus 4 --tp 2 --pp 2` (ZeRO 1, fp32, one thread per process). Both accumulate the same 4 micro-batches per step, so their
-trajectories agree to rounding (bit for bit on this CPU). The pipeline checkpoint has no module
+and `--gpus 8 --tp 2 --pp 2` (dp 2 x tp 2 x pp 2; ZeRO 1, fp32, one thread per process). All see the
+same 8 sequences per step, so their trajectories agree to rounding. The pipeline checkpoint has no module
 weights in its `mp_rank_XX` files (there XX is the stage): its weights must come from each stage's
 optimizer shards, renamed from DeepSpeed's layer-indexed names to model.py's.
 """
@@ -33,8 +33,12 @@ TRAIN_ARGS = [
     "--seq-len", "32", "--save-every", str(STEPS), "--log-every", "1", "--precision", "fp32",
     "--zero", "1", "--set", "optim.eps=1e-6",
 ]  # fmt: skip
-RUNS = {"one": [], "pp2": ["--gpus", "2", "--pp", "2"], "tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2"]}
-PIPELINES = ["pp2", "tp2_pp2"]
+RUNS = {
+    "one": [],
+    "pp2": ["--gpus", "2", "--pp", "2"],
+    "dp2_tp2_pp2": ["--gpus", "8", "--tp", "2", "--pp", "2"],
+}
+PIPELINES = ["pp2", "dp2_tp2_pp2"]
 RTOL = 1e-6
 # tp splits the matmuls, so its sums run in another order: single elements differ from the one-process
 # run by up to ~2e-7 after 4 steps (test_export_parallel's bound); a misplaced slice would be off by the
@@ -44,7 +48,7 @@ TP_ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The run directories, trained side by side (about 40 s on 2 otherwise idle cores)."""
+    """The run directories, trained side by side (about 70 s on 2 otherwise idle cores)."""
     base = tmp_path_factory.mktemp("pipeline_runs")
     procs = {name: exportkit.start(base, name, [*TRAIN_ARGS, *RUNS[name]]) for name in RUNS}
     for name, proc in procs.items():
@@ -79,7 +83,7 @@ def test_pipeline_checkpoint_has_stage_files_not_tp_ranks(runs: dict[str, Path])
 def test_a_tp_pipeline_checkpoint_names_its_tp_rank_in_each_layer_file(runs: dict[str, Path]) -> None:
     """What the consolidation of tp x pp relies on: `layer_NN-model_TT-` files, one per layer and tp rank,
     and one model file per model-parallel rank (stage x tp)."""
-    names = {p.name for p in (runs["tp2_pp2"] / "checkpoints" / TAG).glob("*.pt")}
+    names = {p.name for p in (runs["dp2_tp2_pp2"] / "checkpoints" / TAG).glob("*.pt")}
     layers = {f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(NUM_BLOCKS + 3) for t in range(2)}
     assert layers <= names
     assert {f"mp_rank_{r:02d}_model_states.pt" for r in range(4)} <= names
@@ -167,9 +171,12 @@ def test_export_of_a_pipeline_run_writes_the_one_process_weights(
 def test_eval_and_greedy_generate_match_the_one_process_run(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    evals = [json.loads(exportkit.run_cli(capsys, "eval", str(runs[name]), "--json")) for name in RUNS]
+    # The same 8 validation batches for every run (by default eval covers a run's own evaluation: its
+    # eval_batches per data-parallel rank, 16 at dp 2).
+    argv = ["--json", "--batches", "8"]
+    evals = [json.loads(exportkit.run_cli(capsys, "eval", str(runs[name]), *argv)) for name in RUNS]
     for ours in evals[1:]:
-        assert ours["batches"] == evals[0]["batches"]  # data-parallel size 1 in every run
+        assert ours["batches"] == evals[0]["batches"] == 8
         assert ours["val_loss"] == pytest.approx(evals[0]["val_loss"], abs=1e-5)
     argv = ["--prompt", "The", "--temperature", "0", "--max-tokens", "24"]
     texts = [exportkit.run_cli(capsys, "generate", str(runs[name]), *argv) for name in RUNS]
