@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from llmtrain.parallel.layout import Layout
+from llmtrain.errors import ConfigError
+from llmtrain.parallel.layout import Layout, check_resume
 from llmtrain.parallel.mesh import describe
 
 
@@ -78,3 +79,20 @@ def test_the_partition_spec_lists_the_models_parameters(flags: dict[str, object]
         if spec.tp_dim is not None:
             assert spec.per_rank(2) * 2 == spec.numel and spec.shape[spec.tp_dim] % 2 == 0
     assert partition.block_parameters(cfg) == sum(s.numel for s in specs if s.block == 0)
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "pp", "stage"), [(2, 1, 1, 1), (2, 1, 2, 1), (1, 2, 1, 3), (1, 1, 2, 1)]
+)
+def test_another_data_parallel_size_resumes_through_the_universal_format(
+    tp: int, sp: int, pp: int, stage: int
+) -> None:
+    """A resume keeps tp, sp and pp; another world size changes dp, which the universal conversion
+    re-partitions (tested end to end for dp 2 x tp 2 x pp 2 -> tp 2 x pp 2 in test_pipeline)."""
+    check_resume(Layout(tp * sp * pp, tp, sp, pp), 2 * tp * sp * pp, stage)
+
+
+def test_a_tp_run_at_zero_3_resumes_on_its_own_world_size_only() -> None:
+    with pytest.raises(ConfigError, match=r"--gpus: this run was saved on 4 processes \(dp 2 x tp 2\); "):
+        check_resume(Layout(2, tp=2), 4, zero_stage=3)
+    check_resume(Layout(4, tp=2), 4, zero_stage=3)

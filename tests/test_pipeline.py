@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,8 @@ from runkit import (
     last_logged_step,
     losses,
     resume_args,
-    run_env,
     run_ok,
     shm_buffers,
-    start,
     train_args,
 )
 from test_parallel import REL_TOL, _rel_diff, _short_documents
@@ -264,12 +263,6 @@ def test_sigkill_then_resume_is_bitwise_exact_under_pp(tmp_path: Path) -> None:
     kill_after_a_checkpoint(args, killed, tmp_path / "killed.log", SAVE_EVERY, TIMEOUT_S)
     assert last_logged_step(killed) < KILL_STEPS, "the run ended before the kill"
 
-    # Another process count (here no pipeline at dp 4) cannot read the saved stages: refused in one line.
-    refused = start([*resume_args(killed), "--gpus", "4"], tmp_path / "refused.log", run_env())
-    code, output = refused.wait(TIMEOUT_S)
-    assert code == 2, output[-3000:]
-    assert "error: --gpus: this run was saved on 2 processes (dp 1 x pp 2)" in output
-
     run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
     assert_resumed_bitwise(reference, killed, KILL_STEPS)
     assert np.isfinite(list(losses(killed).values())).all()
@@ -277,7 +270,10 @@ def test_sigkill_then_resume_is_bitwise_exact_under_pp(tmp_path: Path) -> None:
 
 def test_sigkill_then_resume_is_bitwise_exact_in_3d(tmp_path: Path) -> None:
     """dp 2 x tp 2 x pp 2 on 8 processes: DeepSpeed's per-layer, per-tp-rank files and the optimizer
-    shards of each data rank restore every rank's slices (about two minutes on 2 cores)."""
+    shards of each data rank restore every rank's slices. Then the same checkpoint resumed on 4
+    processes (a node lost: tp 2 x pp 2 at dp 1) through the universal format, its tp slices merged and
+    cut again by the split the checkpoint records, follows the uninterrupted run within 1e-5. About three
+    minutes on 2 cores."""
     layout = ["--pp", "2", "--tp", "2", "--global-batch", "8", "--set", "model.num_hidden_layers=4"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     run_ok(
@@ -286,5 +282,14 @@ def test_sigkill_then_resume_is_bitwise_exact_in_3d(tmp_path: Path) -> None:
     args = train_args(killed, KILL_STEPS, SAVE_EVERY, *layout, gpus=8)
     kill_after_a_checkpoint(args, killed, tmp_path / "killed.log", SAVE_EVERY, TIMEOUT_S)
     assert last_logged_step(killed) < KILL_STEPS, "the run ended before the kill"
+    node_lost = shutil.copytree(killed, tmp_path / "node_lost")
     run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
     assert_resumed_bitwise(reference, killed, KILL_STEPS)
+
+    run_ok(resume_args(node_lost, "--gpus", "4"), tmp_path / "node_lost.log", TIMEOUT_S)
+    saved = sorted(p.name for p in (node_lost / "checkpoints").iterdir() if p.name.endswith("_universal"))
+    assert len(saved) == 1, saved  # the checkpoint it resumed from, converted once
+    resumed_from = int(saved[0].split("_")[1])
+    ref, got = losses(reference), losses(node_lost)
+    steps = range(resumed_from + 1, KILL_STEPS + 1)
+    assert _rel_diff([got[s] for s in steps], [ref[s] for s in steps]) < REL_TOL

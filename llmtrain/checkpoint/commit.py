@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from llmtrain.checkpoint import universal
 from llmtrain.checkpoint.collective import all_gather, barrier, broadcast
 from llmtrain.checkpoint.common import (
     FORMAT,
@@ -122,7 +123,9 @@ def write_deepspeed_files(ds: Any, staging_root: Path, tag: str) -> tuple[list[s
     written: list[Path] = []
     try:
         with _capture_io_errors(ds, errors, written):
-            ds.save_checkpoint(str(staging_root), tag=tag, client_state={}, save_latest=False)
+            # The split of every tensor, for a conversion to the universal format (another layout).
+            state = universal.client_state()
+            ds.save_checkpoint(str(staging_root), tag=tag, client_state=state, save_latest=False)
     except Exception as exc:  # a non-I/O failure inside DeepSpeed: report it, the others may hang
         errors.append(f"{staging_root / tag}: {type(exc).__name__}: {exc}")
     return errors, written

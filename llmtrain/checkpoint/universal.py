@@ -12,6 +12,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -32,6 +33,27 @@ from llmtrain.checkpoint.common import (
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 from llmtrain.fsutil import write_atomic
+from llmtrain.parallel import partition
+
+
+def client_state() -> dict[str, Any]:
+    """What ds_to_universal needs to merge a tensor-parallel checkpoint's slices, from parallel.partition's
+    table (saved with every checkpoint as DeepSpeed's `universal_checkpoint_info`): the row-parallel
+    weights are concatenated along dim 1, the column-parallel ones and the vocabulary's rows along
+    dim 0 (its default), and the weights every tp rank holds whole are taken once. The patterns match
+    model.py's names and a pipeline's layer-indexed ones alike; on load DeepSpeed slices each tensor
+    again along the recorded dim for the new tp rank."""
+    from deepspeed.checkpoint import constants as uc
+
+    split = partition.TP_SPLIT_DIM
+    info = {
+        uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [
+            rf"(.*\.)?{name}\.weight$" for name, dim in split.items() if dim == partition.ROW
+        ],
+        uc.TP_REPLICATED_PARAMETER_PATTERNS: [rf"(.*\.)?{name}\.weight$" for name in partition.WHOLE],
+    }
+    return {uc.UNIVERSAL_CHECKPOINT_INFO: info}
 
 
 def needs_universal(info: CheckpointInfo, world_size: int) -> bool:
@@ -82,6 +104,9 @@ def _convert(ckpt_root: Path, tag: str, out: Path, workers: int) -> str | None:
     try:
         scan_pickles(source)
         with weights_only_loads():
+            unsplit = _saved_without_split(source)
+            if unsplit:
+                return unsplit
             ds_to_universal.main(args)
         _finish_universal(source, inner, info)
         replace_dir(inner, out)
@@ -90,6 +115,23 @@ def _convert(ckpt_root: Path, tag: str, out: Path, workers: int) -> str | None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return None
+
+
+def _saved_without_split(source: Path) -> str | None:
+    """A model-parallel checkpoint saved without client_state's split (by an earlier llmtrain): its tp
+    slices cannot be merged, and DeepSpeed would fail on the load with a shape error instead."""
+    import torch
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    if not (source / "mp_rank_01_model_states.pt").exists():
+        return None
+    state = torch.load(source / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    if UNIVERSAL_CHECKPOINT_INFO in state:
+        return None
+    return (
+        f"{source}: saved without the split of its model-parallel slices (by an earlier llmtrain), so it "
+        "cannot be re-partitioned; resume it on the number of processes it was saved on"
+    )
 
 
 def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:

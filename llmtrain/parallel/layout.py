@@ -140,15 +140,17 @@ def check_shape(
         )
 
 
-def check_resume(layout: Layout, saved_world_size: int) -> None:
-    """A tp, sp or pp checkpoint holds per-rank model slices (or stages) and ZeRO shards of its own
-    layout; DeepSpeed's universal conversion re-partitions data-parallel shards only, so such a run
-    resumes as it was saved. (The degrees themselves are part of the run's config, which a resume keeps.)"""
-    if layout.model_parallel == 1 or saved_world_size == layout.world_size:
+def check_resume(layout: Layout, saved_world_size: int, zero_stage: int) -> None:
+    """A resume keeps the run's tp, sp and pp degrees (they are part of its config), so another world size
+    changes the data-parallel degree only: DeepSpeed's universal conversion re-partitions the ZeRO shards
+    over it, merging each tensor's tp slices by the split the checkpoint records and slicing them again
+    on load (checkpoint.universal). DeepSpeed 0.19.8's ZeRO 3 conversion does not merge tp slices
+    (measured: the load fails on a slice's bounds), so a tp run at ZeRO 3 resumes on its own world size."""
+    if layout.tp == 1 or zero_stage != 3 or saved_world_size == layout.world_size:
         return
     saved = Layout(saved_world_size, layout.tp, layout.sp, layout.pp)
     raise ConfigError(
         f"{flag_for('launch.gpus')}: this run was saved on {saved_world_size} processes ({saved.describe()}); "
-        f"a tensor-, sequence- or pipeline-parallel checkpoint resumes on the same layout: launch "
-        f"{saved_world_size} processes (--gpus x --nodes)"
+        f"a tensor-parallel run at ZeRO 3 resumes on as many processes (DeepSpeed's ZeRO-3 universal "
+        f"conversion does not merge tp slices): launch {saved_world_size} processes (--gpus x --nodes)"
     )

@@ -34,6 +34,10 @@ TP_SPLIT_DIM: dict[str, int] = {
 }
 
 
+# The parameters every tp rank holds whole (by their module's name): the RMSNorm weights.
+WHOLE = ("input_layernorm", "post_attention_layernorm", "norm")
+
+
 def tp_split_dim(name: str) -> int | None:
     """The dim tensor parallelism splits parameter `name` along (`layers.3.self_attn.q_proj.weight` -> 0),
     or None for one every rank holds whole."""

@@ -57,7 +57,7 @@ def prepare_fork(parent: Path, step: str, new_dir: Path, changes: ConfigChanges)
             f"steps than that (e.g. --steps {info.step + max(1, info.step // 5)})"
         )
     check_launch(cfg)
-    check_resume(cfg.layout(), info.world_size)
+    check_resume(cfg.layout(), info.world_size, cfg.zero.stage)
     schedule.check_schedule(cfg)
     try:
         _write_start(parent, new_dir, tag, info.step)

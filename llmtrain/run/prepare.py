@@ -101,7 +101,7 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
     check_launch(cfg)
     newest = checkpoint.list_complete(root)
     if newest:
-        check_resume(cfg.layout(), newest[-1].world_size)
+        check_resume(cfg.layout(), newest[-1].world_size, cfg.zero.stage)
     schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 

@@ -126,7 +126,7 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     root = rundir.checkpoint_root(run_dir)
     choice = checkpoint.choose_checkpoint(root, cfg.checkpoint.strict) if resume else None
     if choice is not None:
-        check_resume(cfg.layout(world.world_size), choice.info.world_size)
+        check_resume(cfg.layout(world.world_size), choice.info.world_size, cfg.zero.stage)
     universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
     settings = engine_config(cfg, world, load_universal=universal)
     if world.is_main:
