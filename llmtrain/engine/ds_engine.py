@@ -47,8 +47,8 @@ def build_engine(
     use_deepspeed_checkpointing(model, ds_config, mpu, device)
     if mpu is not None and cfg.parallel.sp > 1:
         model.set_sequence_parallel(mpu.get_sequence_parallel_group())
-    if mpu is not None and cfg.parallel.sp > 1 and cfg.zero.stage == 3:
-        _partition_over_zero_group(model, mpu, ds_config)
+        if cfg.zero.stage == 3:
+            _partition_over_zero_group(model, mpu, ds_config)
     if cfg.compiles and cfg.zero.stage == 3:
         model.compile_elementwise()  # whole compiled blocks break into pieces at ZeRO 3's hooks
     elif cfg.compiles:
