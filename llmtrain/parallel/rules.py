@@ -88,9 +88,12 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallel.pp",
+        # PipelineEngine reduces gradients over its grid's data axis (engine.py: the pipeline branch of
+        # _reduce_non_expert_gradients), and its topology has no sequence axis to give it.
         lambda c: c.pp > 1 and c.sp > 1,
-        "--pp {pp} with --sp {sp}: llmtrain runs sequence parallelism beside data (and not pipeline) "
-        "parallelism; use --pp with --tp and data parallelism, or --sp without --pp",
+        "--pp {pp} with --sp {sp}: DeepSpeed's pipeline engine reduces gradients over its grid's data "
+        "axis only (its topology has no sequence axis), so the sp ranks' partial gradients would never "
+        "be summed; use --pp with --tp and data parallelism, or --sp without --pp",
     ),
     Rule(
         "zero.stage",
