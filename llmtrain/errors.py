@@ -18,7 +18,12 @@ class ConfigError(BadInput, ValueError):
 
 
 class RunFailure(RuntimeError):
-    """A failure during a run (a dead peer, divergence, a failed save); exit code 1."""
+    """A failure during a run (a dead peer, divergence, a failed save); exit code 1.
+
+    `on_every_rank`: every rank raises it at the same point, after the collective that agreed on it (the
+    stability guard's verdict, a failed save), so all peers are alive to meet at the exit's barrier."""
+
+    on_every_rank = False
 
 
 EXIT_BAD_INPUT = 2

@@ -31,6 +31,8 @@ from llmtrain.errors import RunFailure
 class TrainingDiverged(RunFailure):
     """Too many updates in a row were skipped; the run stops with its last checkpoint intact."""
 
+    on_every_rank = True  # the skips are agreed by every rank's update verdict
+
 
 @dataclass(frozen=True)
 class Verdict:

@@ -65,6 +65,8 @@ class Agreement:
 class SaveFailed(RunFailure):
     """A checkpoint could not be written and checkpoint.on_save_failure is `stop` (exit code 1)."""
 
+    on_every_rank = True  # the save's outcome is all-gathered: every rank stops together
+
 
 class StopSignal:
     """SIGTERM / SIGINT set a flag; the loop finishes the step, all ranks agree, save, exit 0."""
@@ -83,16 +85,19 @@ class StopSignal:
 def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
     """Train (or continue) the run in `run_dir`; returns the end-of-run summary."""
     world = distributed.init(cfg.launch.collective_timeout_s)
-    failed = True
+    peers_may_be_gone = True
     trainer: Trainer | None = None
     try:
         cfg, resume = rank_zeros_start(cfg, resume, world)
         trainer = build_trainer(cfg, world, run_dir, resume)
         summary = trainer.train()
-        failed = False
+        peers_may_be_gone = False
         return summary
     except RuntimeError as exc:
         if isinstance(exc, RunFailure):
+            # A stop every rank reaches together still ends with the barrier: measured, a gloo run
+            # that skips it aborts at exit now and then (SIGABRT) after its clean stop.
+            peers_may_be_gone = not exc.on_every_rank
             raise
         # A peer died or is stuck: say which one, instead of gloo's rank-less error.
         step = trainer.counters.step + 1 if trainer is not None else None
@@ -103,7 +108,7 @@ def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
     finally:
         # After a failure another rank may be waiting in a collective for us: no barrier, the launcher
         # ends it.
-        distributed.shutdown(barrier=not failed)
+        distributed.shutdown(barrier=not peers_may_be_gone)
 
 
 def rank_zeros_start(cfg: TrainConfig, resume: bool, world: World) -> tuple[TrainConfig, bool]:
