@@ -169,7 +169,7 @@ def test_config_command_shows_the_tensor_parallel_layout(capsys: pytest.CaptureF
 
 def test_the_tp_split_covers_the_projections_and_the_vocabulary_and_nothing_else() -> None:
     from llmtrain.model import build_model
-    from llmtrain.parallel.partition import tp_split_dim
+    from llmtrain.parallel.partition import WHOLE, tp_split_dim
 
     names = [n for n, _ in build_model(c.resolve(flags={"preset": "debug"}).model, "meta").named_parameters()]
     split = {n.split(".")[-2]: tp_split_dim(n) for n in names if tp_split_dim(n) is not None}
@@ -187,6 +187,8 @@ def test_the_tp_split_covers_the_projections_and_the_vocabulary_and_nothing_else
     assert [n for n in names if tp_split_dim(n) is None] == [
         n for n in names if n.split(".")[-2] in ("input_layernorm", "post_attention_layernorm", "norm")
     ]
+    # The universal checkpoint's "taken once" patterns come from partition.WHOLE: the same three.
+    assert sorted(WHOLE) == ["input_layernorm", "norm", "post_attention_layernorm"]
 
 
 def test_zero3_with_sp_reduces_by_all_reduce_in_buckets_holding_the_largest_parameter() -> None:

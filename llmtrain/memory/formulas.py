@@ -614,10 +614,9 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     m, t = setup.cfg.model, setup.cfg.train
     span = setup.spans[stage]
     b, tokens, doc_mask = setup.lp_bytes, rank_tokens(setup), setup.cfg.data.document_masking
-    recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
     residual = hidden_state_bytes(setup)
     on_gpu = 0 if t.cpu_checkpointing else checkpointed_input_bytes(setup, stage)
-    blocks = on_gpu + (span.blocks - recomputed) * _layer_bytes(setup)
+    blocks = on_gpu + (span.blocks - _recomputed_blocks(setup, stage)) * _layer_bytes(setup)
     # RoPE's cos and sin ([B, T / sp, head_dim] each) and the boolean block-diagonal mask: the model
     # computes them once for all its blocks; a pipeline's blocks each compute their own from the
     # positions (and document ids) passed between stages.
@@ -631,7 +630,7 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
         final_norm = tokens * m.hidden_size * b + FP32 * tokens
         # The fused loss keeps its gradients from forward to backward: for the final hidden states (a
         # residual stream's size) and for this rank's V / tp rows of the output weight; + the token count.
-        head = final_norm + residual + b * m.vocab_size // setup.layout.tp * m.hidden_size + 8
+        head = final_norm + residual + b * _rank_vocab(setup) * m.hidden_size + 8
     return blocks + rope + mask + ids + head + pipeline_io_bytes(setup, span)
 
 
@@ -639,13 +638,22 @@ def checkpointed_input_bytes(setup: Setup, stage: int = 0) -> int:
     """What the recomputed blocks of one micro-batch keep on one rank (of pipeline stage `stage`): each
     its input, the residual stream; 1/tp of it with partitioned activations (DeepSpeed splits it over
     the tp ranks and all-gathers it for the recompute). In host memory with --cpu-checkpointing."""
-    t = setup.cfg.train
-    span = setup.spans[stage]
-    recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
     per_block = hidden_state_bytes(setup)
-    if t.partition_activations:
+    if setup.cfg.train.partition_activations:
         per_block //= setup.layout.tp
-    return recomputed * per_block
+    return _recomputed_blocks(setup, stage) * per_block
+
+
+def _recomputed_blocks(setup: Setup, stage: int) -> int:
+    """Blocks of pipeline stage `stage` (the only one without --pp) that activation checkpointing
+    recomputes."""
+    t = setup.cfg.train
+    return checkpointed_in(setup.spans[stage].block_range, t.activation_checkpointing, t.checkpoint_every_k)
+
+
+def _rank_vocab(setup: Setup) -> int:
+    """Vocabulary rows of the output layer one rank holds: V / tp (vocab-parallel)."""
+    return setup.cfg.model.vocab_size // setup.layout.tp
 
 
 def pipeline_io_bytes(setup: Setup, span: StageSpan) -> int:
@@ -691,7 +699,7 @@ def loss_chunk_bytes(setup: Setup) -> int:
     the logits of its V / tp vocabulary rows (the vocab-parallel loss)."""
     m, tokens, lp = setup.cfg.model, rank_tokens(setup), setup.lp_bytes
     rows = min(LOSS_CHUNK_ROWS, tokens)
-    vocab = m.vocab_size // setup.layout.tp
+    vocab = _rank_vocab(setup)
     low_precision_copy = lp if lp < FP32 else 0  # in fp32 the logits are their own gradient buffer
     chunk = (FP32 + low_precision_copy) * rows * vocab
     return chunk + (FP32 + low_precision_copy) * vocab * m.hidden_size

@@ -109,11 +109,9 @@ def check_shape(
     )
     # Heads are split whole, and each rank's query heads must share its key/value heads: tp splits
     # them first, then Ulysses' all-to-all splits each tp rank's heads over sp.
-    splits = (
-        ("parallel.tp", layout.tp, f"tp {layout.tp}"),
-        ("parallel.sp", layout.sp, f"sp {layout.sp}"),
-        ("parallel.sp", layout.tp * layout.sp, f"tp {layout.tp} x sp {layout.sp}"),
-    )
+    splits = [("parallel.tp", layout.tp, f"tp {layout.tp}"), ("parallel.sp", layout.sp, f"sp {layout.sp}")]
+    if layout.tp > 1 and layout.sp > 1:
+        splits.append(("parallel.sp", layout.tp * layout.sp, f"tp {layout.tp} x sp {layout.sp}"))
     for key, degree, what in splits:
         if degree == 1:
             continue
