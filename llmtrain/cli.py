@@ -360,7 +360,8 @@ def resume_cmd(
     """Continue a run exactly where its last complete checkpoint stopped (same data, LR, loss curve).
 
     --config, --set and flags change the saved config where that keeps the continuation exact (run
-    length, cadences, logging, launch); any other change is refused."""
+    length, cadences, logging, launch) or re-partitions the checkpoint (--gpus, --nodes, --tp, --pp); any
+    other change is refused."""
     from llmtrain.run import lock
 
     if strict:

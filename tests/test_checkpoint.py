@@ -25,6 +25,7 @@ from runkit import Payload
 
 from llmtrain import checkpoint as ckpt
 from llmtrain.checkpoint import CheckpointError
+from llmtrain.parallel.layout import Layout
 
 SEQ = 16
 # (directory, ZeRO stage, precision): bf16 (what --precision auto picks on a GPU or a bf16 CPU); stage 0
@@ -106,7 +107,7 @@ def _wrapped(engine: Any) -> Any:
     """The raw DeepSpeed engine behind llmtrain's engine interface, which the checkpoint package drives."""
     from llmtrain.engine.ds_engine import DeepSpeedEngine
 
-    return DeepSpeedEngine(engine, torch.device("cpu"))
+    return DeepSpeedEngine(engine, torch.device("cpu"), Layout(engine.world_size))
 
 
 def _save(engine: Any, root: Path, step: int, rank: int, ws: int, **kw: Any) -> ckpt.SaveResult:
@@ -188,7 +189,7 @@ class _file_size_limit:
 def _universal_load(rank: int, ws: int, root: str, stage: int, tag: str) -> dict[str, Any]:
     where = Path(root)
     info = next(i for i in ckpt.list_complete(where) if i.tag == tag)
-    assert ckpt.needs_universal(info, ws)
+    assert ckpt.needs_universal(info, Layout(ws))
     universal = ckpt.convert_to_universal(where, tag)
     again = ckpt.convert_to_universal(where, tag)  # a second call reuses the first conversion
     engine = _engine(stage, seed=7, extra={"checkpoint": {"load_universal": True}})
@@ -459,7 +460,7 @@ def test_resume_on_a_different_world_size_through_universal(request, tmp_path, s
 def test_universal_is_refused_for_unpartitioned_state(round_trips, tmp_path):
     where = _copy(round_trips[0] / "zero0", tmp_path)
     (info,) = ckpt.list_complete(where)
-    assert not ckpt.needs_universal(info, 1)  # stage 0 loads at any world size as it is
+    assert not ckpt.needs_universal(info, Layout(1))  # stage 0 loads at any world size as it is
     with pytest.raises(CheckpointError, match="nothing to convert"):
         ckpt.convert_to_universal(where, info.tag)
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.checkpoint import consolidated_fp32_state_dict, weights_only_loads
-from llmtrain.checkpoint.consolidate import _model_name
+from llmtrain.checkpoint.consolidate import model_name
 
 STEPS = 4
 TAG = f"step_{STEPS:08d}"
@@ -110,7 +110,7 @@ def test_masters_match_the_layer_files_exactly(runs: dict[str, Path]) -> None:
         for index in range(NUM_BLOCKS + 3):
             layer = torch.load(ckpt / f"layer_{index:02d}-model_states.pt", weights_only=True)
             for local, tensor in layer.items():
-                name = _model_name(f"{index}.{local}", NUM_BLOCKS)
+                name = model_name(f"{index}.{local}", NUM_BLOCKS)
                 assert torch.equal(full[name], tensor), name
                 seen.add(name)
     assert seen == set(full)
@@ -139,7 +139,7 @@ def test_bf16_optimizer_shards_consolidate_alike(runs: dict[str, Path], tmp_path
     assert all(torch.equal(ours[key], tensor) for key, tensor in reference.items())
 
 
-def test_pipeline_names_become_model_names() -> None:
+def test_pipeline_names_becomemodel_names() -> None:
     """DeepSpeed's `<layer>.<name>` (embedding 0, blocks 1..L, norm L+1, head L+2) and a tied module's
     `tied_modules.<key>.<name>` (the embedding, on the first and last stage) -> model.py's names."""
     expected = {
@@ -150,7 +150,7 @@ def test_pipeline_names_become_model_names() -> None:
         "4.lm_head.weight": "lm_head.weight",
         "tied_modules.embed.embed_tokens.weight": "embed_tokens.weight",
     }
-    assert {name: _model_name(name, NUM_BLOCKS) for name in expected} == expected
+    assert {name: model_name(name, NUM_BLOCKS) for name in expected} == expected
 
 
 @pytest.mark.slow

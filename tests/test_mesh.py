@@ -87,12 +87,23 @@ def test_the_partition_spec_lists_the_models_parameters(flags: dict[str, object]
 def test_another_data_parallel_size_resumes_through_the_universal_format(
     tp: int, sp: int, pp: int, stage: int
 ) -> None:
-    """A resume keeps tp, sp and pp; another world size changes dp, which the universal conversion
-    re-partitions (tested end to end for dp 2 x tp 2 x pp 2 -> tp 2 x pp 2 in test_pipeline)."""
-    check_resume(Layout(tp * sp * pp, tp, sp, pp), 2 * tp * sp * pp, stage)
+    """Another world size changes dp, which the universal conversion re-partitions (tested end to end
+    for dp 2 x tp 2 x pp 2 -> tp 2 x pp 2 in test_pipeline)."""
+    check_resume(Layout(tp * sp * pp, tp, sp, pp), Layout(2 * tp * sp * pp, tp, sp, pp), stage, True)
 
 
-def test_a_tp_run_at_zero_3_resumes_on_its_own_world_size_only() -> None:
+@pytest.mark.parametrize(("saved", "now"), [(Layout(8, 2, 1, 2), Layout(4)), (Layout(4), Layout(4, pp=2))])
+def test_other_tp_and_pp_degrees_resume_from_sharded_optimizer_state(saved: Layout, now: Layout) -> None:
+    """(dp 2 x tp 2 x pp 2 -> dp 4 is run end to end in test_pipeline.)"""
+    check_resume(now, saved, 1, partitioned=True)
+    with pytest.raises(ConfigError, match=r"^--tp/--pp: this run was saved on .* \(--tp \d --pp \d\)$"):
+        check_resume(now, saved, 0, partitioned=False)
+
+
+def test_a_tp_run_at_zero_3_resumes_on_its_own_layout_only() -> None:
     with pytest.raises(ConfigError, match=r"--gpus: this run was saved on 4 processes \(dp 2 x tp 2\); "):
-        check_resume(Layout(2, tp=2), 4, zero_stage=3)
-    check_resume(Layout(4, tp=2), 4, zero_stage=3)
+        check_resume(Layout(2, tp=2), Layout(4, tp=2), 3, True)
+    with pytest.raises(ConfigError, match=r"with --tp 2 --pp 1$"):
+        check_resume(Layout(4), Layout(4, tp=2), 3, True)
+    check_resume(Layout(4, tp=2), Layout(4, tp=2), 3, True)
+    check_resume(Layout(2), Layout(4), 3, True)  # without tp ZeRO 3 re-partitions like the others

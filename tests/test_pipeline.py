@@ -270,10 +270,11 @@ def test_sigkill_then_resume_is_bitwise_exact_under_pp(tmp_path: Path) -> None:
 
 def test_sigkill_then_resume_is_bitwise_exact_in_3d(tmp_path: Path) -> None:
     """dp 2 x tp 2 x pp 2 on 8 processes: DeepSpeed's per-layer, per-tp-rank files and the optimizer
-    shards of each data rank restore every rank's slices. Then the same checkpoint resumed on 4
-    processes (a node lost: tp 2 x pp 2 at dp 1) through the universal format, its tp slices merged and
-    cut again by the split the checkpoint records, follows the uninterrupted run within 1e-5. About three
-    minutes on 2 cores."""
+    shards of each data rank restore every rank's slices. Then the same checkpoint, converted once to the
+    universal format (tp slices merged by the split the checkpoint records, the pipeline's names made
+    the model's), resumes on two other layouts of 4 processes: a node lost (tp 2 x pp 2 at dp 1) and
+    neither tp nor pp (dp 4). Both follow the uninterrupted run within 1e-5. About four minutes on 2
+    cores."""
     layout = ["--pp", "2", "--tp", "2", "--global-batch", "8", "--set", "model.num_hidden_layers=4"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     run_ok(
@@ -283,13 +284,24 @@ def test_sigkill_then_resume_is_bitwise_exact_in_3d(tmp_path: Path) -> None:
     kill_after_a_checkpoint(args, killed, tmp_path / "killed.log", SAVE_EVERY, TIMEOUT_S)
     assert last_logged_step(killed) < KILL_STEPS, "the run ended before the kill"
     node_lost = shutil.copytree(killed, tmp_path / "node_lost")
+    relaid = shutil.copytree(killed, tmp_path / "relaid")
     run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
     assert_resumed_bitwise(reference, killed, KILL_STEPS)
 
     run_ok(resume_args(node_lost, "--gpus", "4"), tmp_path / "node_lost.log", TIMEOUT_S)
-    saved = sorted(p.name for p in (node_lost / "checkpoints").iterdir() if p.name.endswith("_universal"))
-    assert len(saved) == 1, saved  # the checkpoint it resumed from, converted once
-    resumed_from = int(saved[0].split("_")[1])
-    ref, got = losses(reference), losses(node_lost)
-    steps = range(resumed_from + 1, KILL_STEPS + 1)
+    _assert_continues(reference, node_lost)
+    run_ok(resume_args(relaid, "--gpus", "4", "--tp", "1", "--pp", "1"), tmp_path / "relaid.log", TIMEOUT_S)
+    _assert_continues(reference, relaid)
+
+
+def _resumed_from(run_dir: Path) -> int:
+    """The step of the one checkpoint `run_dir` resumed from on another layout (converted once)."""
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith("_universal"))
+    assert len(saved) == 1, saved
+    return int(saved[0].split("_")[1])
+
+
+def _assert_continues(reference: Path, resumed: Path) -> None:
+    ref, got = losses(reference), losses(resumed)
+    steps = range(_resumed_from(resumed) + 1, KILL_STEPS + 1)
     assert _rel_diff([got[s] for s in steps], [ref[s] for s in steps]) < REL_TOL

@@ -50,7 +50,7 @@ from llmtrain.checkpoint.safeload import (
     weights_only_loads,
 )
 from llmtrain.checkpoint.space import SizeEstimate, SpaceRule, expected_size, free_bytes
-from llmtrain.checkpoint.universal import convert_to_universal, needs_universal
+from llmtrain.checkpoint.universal import convert_to_universal, needs_universal, saved_layout
 
 __all__ = [
     "LATEST",
@@ -83,6 +83,7 @@ __all__ = [
     "restore_rng",
     "rng_state",
     "save",
+    "saved_layout",
     "scan_pickles",
     "tag_for",
     "verify",

@@ -58,6 +58,7 @@ class CheckpointInfo:
     partitioned: bool  # optimizer state sharded per rank: a different world size needs conversion
     created: str
     engine: str = "deepspeed"  # whose format: "deepspeed" files or "fsdp2" distributed checkpoints
+    layout: dict[str, int] | None = None  # the saving run's {"tp", "sp", "pp"}; None if not recorded
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,7 @@ def _pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
     masters: dict[str, torch.Tensor] = {}
     for stage in _mp_ranks(path, "pipeline stages"):
         for name, tensor in _stage_fp32(path, stage).items():
-            masters.setdefault(_model_name(name, num_blocks), tensor)
+            masters.setdefault(model_name(name, num_blocks), tensor)
     for name, tensor in masters.items():
         if name not in saved or saved[name].shape != tensor.shape:
             raise CheckpointError(f"{path}: fp32 master {name} {tuple(tensor.shape)} is in no layer file")
@@ -278,7 +278,7 @@ def _pipeline_layers(path: Path) -> tuple[dict[str, torch.Tensor], int]:
         layers[int(match.group(1))] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     num_blocks = _num_blocks(path, layers)
     saved = {
-        _model_name(f"{index}.{name}", num_blocks): tensor
+        model_name(f"{index}.{name}", num_blocks): tensor
         for index, state in layers.items()
         for name, tensor in state.items()
     }
@@ -294,7 +294,7 @@ def _num_blocks(path: Path, layers: dict[int, dict[str, torch.Tensor]]) -> int:
     return norms[0] - 1
 
 
-def _model_name(pipe_name: str, num_blocks: int) -> str:
+def model_name(pipe_name: str, num_blocks: int) -> str:
     """PipelineModule's name -> model.py's: `3.self_attn.q_proj.weight` -> `layers.2.self_attn...`.
     A tied module is the embedding stage, whose names are model.py's already."""
     match = _PIPE_NAME.fullmatch(pipe_name)

@@ -67,9 +67,16 @@ def read_info(ckpt_dir: Path) -> CheckpointInfo | None:
             partitioned=bool(m["partitioned"]),
             created=str(m["created"]),
             engine=str(m.get("engine", "deepspeed")),
+            layout=_layout(m.get("layout")),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _layout(recorded: Any) -> dict[str, int] | None:
+    if recorded is None:
+        return None
+    return {axis: int(recorded[axis]) for axis in ("tp", "sp", "pp")}
 
 
 def list_complete(ckpt_root: Path) -> list[CheckpointInfo]:

@@ -4,11 +4,16 @@ ZeRO-1/2/3 shard the optimizer state per rank, so a checkpoint saved by N proces
 DeepSpeed's ds_to_universal rewrites it per parameter; here it runs on rank 0 only, in the staging area,
 after the pickle scan and under weights-only loads, and the result gets llmtrain's state files and a
 manifest so it verifies, loads and is pruned like any other checkpoint (`step_N_universal`).
+
+The same conversion carries a run to another tp or pp degree: each tensor's tp slices are merged by the
+split the checkpoint records (client_state), and a pipeline's layer-indexed parameter names become the
+one-process model's, so an engine of any layout finds every parameter by the name it knows.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -30,10 +35,12 @@ from llmtrain.checkpoint.common import (
     replace_dir,
     sha256,
 )
+from llmtrain.checkpoint.consolidate import model_name
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 from llmtrain.fsutil import write_atomic
 from llmtrain.parallel import partition
+from llmtrain.parallel.layout import Layout
 
 
 def client_state() -> dict[str, Any]:
@@ -56,9 +63,17 @@ def client_state() -> dict[str, Any]:
     return {uc.UNIVERSAL_CHECKPOINT_INFO: info}
 
 
-def needs_universal(info: CheckpointInfo, world_size: int) -> bool:
-    """True when the optimizer state is sharded per rank and the world size changed."""
-    return info.partitioned and info.world_size != world_size
+def needs_universal(info: CheckpointInfo, layout: Layout) -> bool:
+    """True when the optimizer state is sharded per rank and the layout changed: another world size, or
+    other tp / pp degrees on the same one."""
+    return info.partitioned and saved_layout(info, layout) != layout
+
+
+def saved_layout(info: CheckpointInfo, current: Layout) -> Layout:
+    """The layout that saved `info`; a manifest written before layouts were recorded had the run's own
+    model-parallel degrees (they could not change on a resume then)."""
+    axes = info.layout or {"tp": current.tp, "sp": current.sp, "pp": current.pp}
+    return Layout(info.world_size, **axes)
 
 
 def convert_to_universal(ckpt_root: Path, tag: str, workers: int = 1) -> Path:
@@ -108,6 +123,7 @@ def _convert(ckpt_root: Path, tag: str, out: Path, workers: int) -> str | None:
             if unsplit:
                 return unsplit
             ds_to_universal.main(args)
+        _name_as_one_process_model(inner / "zero")
         _finish_universal(source, inner, info)
         replace_dir(inner, out)
     except Exception as exc:
@@ -134,6 +150,27 @@ def _saved_without_split(source: Path) -> str | None:
     )
 
 
+_PIPELINE_NORM = re.compile(r"(\d+)\.norm\.weight")
+
+
+def _name_as_one_process_model(zero: Path) -> None:
+    """A pipeline's per-parameter folders (`3.self_attn.q_proj.weight`, by DeepSpeed's layer index)
+    renamed to model.py's names (`layers.2.self_attn.q_proj.weight`), the names every layout's engine
+    loads by (engine.pipeline maps its own). The blocks are counted from the final norm's layer index,
+    L + 1. A tied embedding saved by both end stages is one folder (the copies are kept equal)."""
+    names = sorted(p.name for p in zero.iterdir() if p.is_dir())
+    norms = [int(m.group(1)) for name in names if (m := _PIPELINE_NORM.fullmatch(name))]
+    if not norms:
+        return  # saved without a pipeline: the names are model.py's already
+    num_blocks = norms[0] - 1
+    for name in names:
+        target = zero / model_name(name, num_blocks)
+        if target.exists():
+            shutil.rmtree(zero / name)
+        else:
+            (zero / name).rename(target)
+
+
 def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:
     """Copy the llmtrain state files and write a manifest, so the result verifies and loads like a tag."""
     for state in source.glob(STATE_FILE.format(rank="*")):
@@ -148,6 +185,7 @@ def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:
         "step": info.step,
         "world_size": info.world_size,
         "zero_stage": info.zero_stage,
+        **({"layout": info.layout} if info.layout else {}),
         "partitioned": False,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": [

@@ -21,6 +21,7 @@ from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.envvar import set_for_block
 from llmtrain.parallel import tensor as tensor_parallel
+from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.mesh import Mesh, process_groups
 from llmtrain.quiet import held_stdout
 
@@ -57,7 +58,7 @@ def build_engine(
     with held_stdout():  # the bf16 optimizer prints memory reports
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
     plain = cfg.zero.stage == 0 and cfg.train.precision == "fp32"
-    return DeepSpeedEngine(engine, device, plain_optimizer=plain)
+    return DeepSpeedEngine(engine, device, cfg.layout(world_size), plain_optimizer=plain)
 
 
 def use_deepspeed_checkpointing(
@@ -132,8 +133,8 @@ class DeepSpeedEngine(Engine):
     backward, a no-op until the accumulation boundary. A skipped update is a NaN gradient: DeepSpeed's
     overflow check then drops it on every rank."""
 
-    def __init__(self, ds: Any, device: torch.device, plain_optimizer: bool = False) -> None:
-        self.ds, self.device, self.wrapper = ds, device, ds
+    def __init__(self, ds: Any, device: torch.device, layout: Layout, plain_optimizer: bool = False) -> None:
+        self.ds, self.device, self.wrapper, self.layout = ds, device, ds, layout
         self.optimizer = ds.optimizer
         # Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own.
         self.plain_optimizer = plain_optimizer
@@ -181,7 +182,8 @@ class DeepSpeedEngine(Engine):
         _repair_universal_load(self.optimizer, as_built)
 
     def checkpoint_facts(self) -> dict[str, Any]:
-        return {"engine": "deepspeed", "zero_stage": int(self.ds.zero_optimization_stage())}
+        axes = {"tp": self.layout.tp, "sp": self.layout.sp, "pp": self.layout.pp}
+        return {"engine": "deepspeed", "zero_stage": int(self.ds.zero_optimization_stage()), "layout": axes}
 
 
 def _torch_optimizer(optimizer: Any) -> Any:

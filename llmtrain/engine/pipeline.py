@@ -22,6 +22,7 @@ gradient DeepSpeed sums with the first stage's every step, so both copies stay e
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 from torch import Tensor, nn
 
+from llmtrain import checkpoint
 from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, BeforeUpdate, JudgeNorm, never_skip
@@ -334,7 +336,7 @@ def build_engine(
     with held_stdout():  # the bf16 optimizer prints memory reports
         engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
     install_schedule(engine, cfg.parallel.pp_schedule)
-    return PipelineEngine(engine, device)
+    return PipelineEngine(engine, device, layout)
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -354,6 +356,23 @@ class PipelineEngine(DeepSpeedEngine):
         self.ds.before_update = lambda loss_sum, count: before_update(on_loss(loss_sum), count)
         self.ds.train_batch(feed(micro_batches))
         return self._engine_grad_norm()
+
+    def load(self, ckpt_root: Path, tag: str) -> None:
+        """A universal checkpoint (another layout's, checkpoint.universal) names each parameter as the
+        one-process model does; DeepSpeed's optimizer looks it up by the pipeline's layer-indexed names, so
+        for this load it is given the model's names of the same parameters."""
+        if not tag.endswith(checkpoint.UNIVERSAL_SUFFIX):
+            super().load(ckpt_root, tag)
+            return
+        model_names = {
+            id(p): name for name, params in stage_parameters(self.ds.module).items() for p in params
+        }
+        pipeline_names = self.optimizer.param_names
+        self.optimizer.param_names = {p: model_names[id(p)] for p in pipeline_names}
+        try:
+            super().load(ckpt_root, tag)
+        finally:
+            self.optimizer.param_names = pipeline_names
 
     def evaluate(self, batches: list[Batch]) -> float:
         """Mean loss over `batches` (this data rank's), averaged over data-parallel ranks, on every rank

@@ -138,17 +138,26 @@ def check_shape(
         )
 
 
-def check_resume(layout: Layout, saved_world_size: int, zero_stage: int) -> None:
-    """A resume keeps the run's tp, sp and pp degrees (they are part of its config), so another world size
-    changes the data-parallel degree only: DeepSpeed's universal conversion re-partitions the ZeRO shards
-    over it, merging each tensor's tp slices by the split the checkpoint records and slicing them again
-    on load (checkpoint.universal). DeepSpeed 0.19.8's ZeRO 3 conversion does not merge tp slices
-    (measured: the load fails on a slice's bounds), so a tp run at ZeRO 3 resumes on its own world size."""
-    if layout.tp == 1 or zero_stage != 3 or saved_world_size == layout.world_size:
+def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bool) -> None:
+    """A resume keeps the run's sp degree and may change its world size and its tp and pp degrees:
+    DeepSpeed's universal conversion re-partitions the ZeRO shards over the new data-parallel ranks,
+    merging each tensor's tp slices by the split the checkpoint records and slicing them again on load
+    (checkpoint.universal). Two cases it cannot carry: a checkpoint without sharded optimizer state (ZeRO 0
+    in fp32, nothing to convert) on other tp / pp degrees, and tensor parallelism at ZeRO 3 on any other
+    layout (DeepSpeed 0.19.8's ZeRO 3 conversion does not merge tp slices; measured: the load fails on a
+    slice's bounds)."""
+    if saved == layout:
         return
-    saved = Layout(saved_world_size, layout.tp, layout.sp, layout.pp)
-    raise ConfigError(
-        f"{flag_for('launch.gpus')}: this run was saved on {saved_world_size} processes ({saved.describe()}); "
-        f"a tensor-parallel run at ZeRO 3 resumes on as many processes (DeepSpeed's ZeRO-3 universal "
-        f"conversion does not merge tp slices): launch {saved_world_size} processes (--gpus x --nodes)"
-    )
+    was = f"this run was saved on {saved.world_size} processes ({saved.describe()})"
+    if not partitioned and (saved.tp, saved.pp) != (layout.tp, layout.pp):
+        raise ConfigError(
+            f"{flag_for('parallel.tp')}/{flag_for('parallel.pp')}: {was}; a checkpoint without sharded "
+            f"optimizer state (ZeRO 0 in fp32) resumes with the tp and pp it was saved with "
+            f"(--tp {saved.tp} --pp {saved.pp})"
+        )
+    if zero_stage == 3 and max(saved.tp, layout.tp) > 1:
+        raise ConfigError(
+            f"{flag_for('launch.gpus')}: {was}; a tensor-parallel run at ZeRO 3 resumes on the same layout "
+            f"(DeepSpeed's ZeRO-3 universal conversion does not merge tp slices): launch {saved.world_size} "
+            f"processes (--gpus x --nodes) with --tp {saved.tp} --pp {saved.pp}"
+        )

@@ -57,7 +57,8 @@ def prepare_fork(parent: Path, step: str, new_dir: Path, changes: ConfigChanges)
             f"steps than that (e.g. --steps {info.step + max(1, info.step // 5)})"
         )
     check_launch(cfg)
-    check_resume(cfg.layout(), info.world_size, cfg.zero.stage)
+    layout = cfg.layout()
+    check_resume(layout, checkpoint.saved_layout(info, layout), cfg.zero.stage, info.partitioned)
     schedule.check_schedule(cfg)
     try:
         _write_start(parent, new_dir, tag, info.step)

@@ -28,8 +28,11 @@ from llmtrain.parallel.layout import check_resume
 from llmtrain.run import nodes
 from llmtrain.train import faults, schedule
 
-# Keys a resume may change without breaking exactness: run length, cadences, logging, launch.
+# Keys a resume may change: run length, cadences, logging, launch, and the tp and pp degrees (the
+# checkpoint is re-partitioned, checkpoint.universal; losses continue within float rounding).
 RESUME_MAY_CHANGE = (
+    "parallel.tp",
+    "parallel.pp",
     "train.steps",
     "train.tokens",
     "train.eval_every",
@@ -101,7 +104,10 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
     check_launch(cfg)
     newest = checkpoint.list_complete(root)
     if newest:
-        check_resume(cfg.layout(), newest[-1].world_size, cfg.zero.stage)
+        layout = cfg.layout()
+        check_resume(
+            layout, checkpoint.saved_layout(newest[-1], layout), cfg.zero.stage, newest[-1].partitioned
+        )
     schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 

@@ -130,12 +130,14 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     _seed_everything(cfg.train.seed)
     root = rundir.checkpoint_root(run_dir)
     choice = checkpoint.choose_checkpoint(root, cfg.checkpoint.strict) if resume else None
+    layout = cfg.layout(world.world_size)
     if choice is not None:
-        check_resume(cfg.layout(world.world_size), choice.info.world_size, cfg.zero.stage)
-    universal = choice is not None and checkpoint.needs_universal(choice.info, world.world_size)
+        saved = checkpoint.saved_layout(choice.info, layout)
+        check_resume(layout, saved, cfg.zero.stage, choice.info.partitioned)
+    universal = choice is not None and checkpoint.needs_universal(choice.info, layout)
     settings = engine_config(cfg, world, load_universal=universal)
     if world.is_main:
-        rundir.write_run_files(run_dir, cfg.train.engine, settings, cfg.layout(world.world_size))
+        rundir.write_run_files(run_dir, cfg.train.engine, settings, layout)
     prepared: PreparedData | list[MixturePart]
     if cfg.data.mixture:
         prepared = prepare_mixture(cfg.data, cfg.model.vocab_size, local_rank=world.local_rank)
@@ -153,7 +155,7 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
         print(f"weights from {source}; optimizer and schedule start fresh", flush=True)
     trainer = Trainer(cfg, world, run_dir, engine, prepared)
     if choice is not None:
-        # Saved at another world size: DeepSpeed's universal format re-partitions the states.
+        # Saved on another layout: DeepSpeed's universal format re-partitions the states.
         tag = checkpoint.convert_to_universal(root, choice.tag).name if universal else choice.tag
         trainer.restore(tag, choice.warnings)
     trainer.open_metrics()
