@@ -1,12 +1,15 @@
-"""Data, tensor and sequence parallelism on two processes: memory per rank and throughput, in one run.
+"""Data, tensor, sequence and pipeline parallelism, alone and together: memory per rank and throughput,
+in one run.
 
 `python -m bench parallel` (defaults) or `python -m bench.bench_parallel [--preset ...]` (flags below).
-Three layouts of the same model on world size 2, ZeRO 1: dp2 (two data-parallel ranks), tp2 (llmtrain's
-column/row-parallel layers: each rank holds half of every attention and MLP matrix) and sp2 (DeepSpeed Ulysses: each rank
-computes half of every sequence). Each layout is a pair of processes (DeepSpeed's process groups are
-per-process globals, so one process runs one layout), built by `ds_engine.build_engine` as
-`llmtrain train --tp/--sp` builds it; all six processes are alive together and the pairs take steps in
-turn (A B C, C B A, ...), so load from other work on the machine falls on all layouts alike.
+Six layouts of the same model, ZeRO 1: on world size 2 dp2 (two data-parallel ranks), tp2 (llmtrain's
+column/row-parallel layers: each rank holds half of every attention and MLP matrix) and sp2 (DeepSpeed
+Ulysses: each rank computes half of every sequence); on 4 and 8 processes the axes together: tp2 x pp2,
+dp2 x tp2 x pp2 and tp2 x sp2. Each layout is its own group of processes (DeepSpeed's process groups are
+per-process globals, so one process runs one layout), built by `ds_engine.build_engine` (or, under pp,
+`pipeline.build_engine`) as `llmtrain train --tp/--sp/--pp` builds it; all 22 processes are alive
+together and the groups take steps in turn (A B C ..., ... C B A), so load from other work on the
+machine falls on all layouts alike. A pipeline's step is 2 x pp micro-batches (one train_batch).
 
 Measured per layout:
 1. Model states per rank: the bytes of parameters, gradients and optimizer states the engine holds
@@ -14,8 +17,10 @@ Measured per layout:
    are held), as tests/test_memory_calibration.py counts them against the memory estimator.
 2. Step peak per rank: the memory one optimizer step needs above what is resident before it
    (bench_train.measure_step_memory: peak RSS minus RSS on CPU), the larger of the two ranks.
-3. Throughput: tokens of the whole job per second, median over the measured steps after warm-up. tp and
-   sp ranks share their samples, so per step the job trains dp x micro-batch x seq_len tokens.
+3. Throughput: tokens of the whole job per second, median over the measured steps after warm-up. tp, sp
+   and pp ranks share their samples, so per step the job trains dp x micro-batch x seq_len tokens
+   (times the micro-batches of a pipeline's step). With more processes than cores the larger layouts
+   share the cores: their tokens/s measures this machine's oversubscription as much as the layout.
 4. The longest seq_len whose step peak fits a per-rank budget, dp2 against sp2: the step peak measured
    at a few seq_lens, a straight line fitted per layout and solved for the budget. The output says
    whether that seq_len lies within the measured range or is extrapolated beyond it.
@@ -37,9 +42,16 @@ from typing import Any
 from bench.bench_train import THREADS, measure_step_memory, random_batches
 from bench.ranks import REPO, RankGroup, all_ready, serve_commands, write_result
 
-WORLD_SIZE = 2
 DEFAULT_OUT = REPO / "bench" / "results" / "parallel.json"
-LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "sp2": (1, 2)}  # name -> (tp, sp)
+# name -> (world size, tp, sp, pp); the first is the baseline of every ratio.
+LAYOUTS = {
+    "dp2": (2, 1, 1, 1),
+    "tp2": (2, 2, 1, 1),
+    "sp2": (2, 1, 2, 1),
+    "tp2xpp2": (4, 2, 1, 2),
+    "dp2xtp2xpp2": (8, 2, 1, 2),
+    "tp2xsp2": (4, 2, 2, 1),
+}
 BUDGET_LAYOUTS = ("dp2", "sp2")  # whose step peak is measured at every --memory-seq-lens
 # A fitted seq_len is rounded down to a multiple of this: the fit is not finer, and the result stays
 # divisible by sp.
@@ -48,11 +60,13 @@ SEQ_LEN_STEP = 64
 
 @dataclass(frozen=True)
 class Setup:
-    """One layout's pair of workers and the shape every layout shares."""
+    """One layout's group of workers and the shape every layout shares."""
 
     name: str
+    world_size: int
     tp: int
     sp: int
+    pp: int
     preset: str
     precision: str
     seq_len: int
@@ -60,11 +74,16 @@ class Setup:
 
     @property
     def dp(self) -> int:
-        return WORLD_SIZE // (self.tp * self.sp)
+        return self.world_size // (self.tp * self.sp * self.pp)
+
+    @property
+    def micro_batches(self) -> int:
+        """Per step: one, or 2 x pp for a pipeline (a pipeline of one micro-batch is all bubble)."""
+        return 2 * self.pp if self.pp > 1 else 1
 
     @property
     def tokens_per_step(self) -> int:
-        return self.dp * self.micro_batch * self.seq_len
+        return self.dp * self.micro_batches * self.micro_batch * self.seq_len
 
 
 # ---------------------------------------------------------------- the worker side
@@ -80,10 +99,12 @@ def _config(setup: Setup) -> Any:
             "train.precision": setup.precision,
             "train.micro_batch": setup.micro_batch,
             "train.seq_len": setup.seq_len,
+            "train.global_batch": setup.dp * setup.micro_batches * setup.micro_batch,
             "parallel.tp": setup.tp,
             "parallel.sp": setup.sp,
+            "parallel.pp": setup.pp,
             "train.compile": False,  # eager everywhere: the default compiles only some of the setups
-            "launch.gpus": WORLD_SIZE,
+            "launch.gpus": setup.world_size,
         }
     )
 
@@ -92,16 +113,19 @@ class Runner:
     """The layout's engine as `llmtrain train` builds it, stepped on the benchmark's random batches."""
 
     def __init__(self, setup: Setup) -> None:
-        from llmtrain.engine import ds_engine, dsconfig
+        from llmtrain.engine import ds_engine, dsconfig, pipeline
         from llmtrain.parallel import distributed
 
         cfg = _config(setup)
         world = distributed.init()
         self.device = world.device
         self.vocab_size = cfg.model.vocab_size
-        self.micro_batch = setup.micro_batch
+        self.micro_batch, self.micro_batches = setup.micro_batch, setup.micro_batches
         ds_config = dsconfig.build(cfg, world.world_size, world.accelerator)
-        self.engine = ds_engine.build_engine(cfg, ds_config, world.device, world.world_size).ds
+        build = pipeline.build_engine if setup.pp > 1 else ds_engine.build_engine
+        self.engine = build(cfg, ds_config, world.device, world.world_size).ds
+        self.pipelined = setup.pp > 1
+        self.engine.before_update = lambda loss_sum, count: False  # the trainer's agreement: never skip
         self.batches: dict[int, list[dict[str, Any]]] = {}
         self.steps = 0
 
@@ -121,11 +145,51 @@ class Runner:
     def step(self, seq_len: int) -> float:
         import torch
 
-        loss = self.backward(seq_len)
-        self.engine.step()
+        if self.pipelined:
+            loss = self._train_batch(seq_len)
+        else:
+            loss = self.backward(seq_len)
+            self.engine.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return loss
+
+    def _train_batch(self, seq_len: int) -> float:
+        """One pipeline step: every micro-batch through the schedule, then the update. The loss is the
+        last stage's (DeepSpeed broadcasts it to every stage)."""
+        from llmtrain.engine import pipeline
+
+        batches = [self._batch(seq_len) for _ in range(self.micro_batches)]
+        self.steps += self.micro_batches - 1
+        return float(self.engine.train_batch(pipeline.feed(batches)))
+
+    def states(self, seq_len: int) -> Any:
+        """The model states held as an update starts (gradients reduced, Adam's moments there)."""
+        from llmtrain.engine.ds_engine import held_model_states
+
+        if not self.pipelined:
+            self.backward(seq_len)
+            held = held_model_states(self.engine)
+            self.engine.step()
+            return held
+        # train_batch runs forward, backward and update as one schedule: the measurement rides in the
+        # update's instruction.
+        from deepspeed.runtime.pipe.schedule import OptimizerStep
+
+        found: list[Any] = []
+        instructions = self.engine._INSTRUCTION_MAP
+        update = instructions[OptimizerStep]
+
+        def measured_update(engine: Any, **kwargs: Any) -> None:
+            found.append(held_model_states(engine))
+            update(engine, **kwargs)
+
+        self.engine._INSTRUCTION_MAP = {**instructions, OptimizerStep: measured_update}
+        try:
+            self._train_batch(seq_len)
+        finally:
+            self.engine._INSTRUCTION_MAP = instructions
+        return found[0]
 
 
 def answer(runner: Runner, setup: Setup, command: str, args: list[str]) -> dict[str, Any]:
@@ -135,11 +199,7 @@ def answer(runner: Runner, setup: Setup, command: str, args: list[str]) -> dict[
         loss = runner.step(setup.seq_len)
         return {"seconds": time.perf_counter() - started, "loss": loss}
     if command == "states":
-        runner.backward(setup.seq_len)  # the gradients held, as at a step's peak
-        from llmtrain.engine.ds_engine import held_model_states
-
-        held = held_model_states(runner.engine)
-        runner.engine.step()
+        held = runner.states(setup.seq_len)
         return {"params": held.params, "total": held.total}
     if command == "memory":
         seq_len = int(args[0])
@@ -169,16 +229,16 @@ def worker(setup: Setup) -> None:
 # ---------------------------------------------------------------- the parent side
 
 
-class Pair(RankGroup):
-    """The two ranks of one layout, and the step times and losses measured on them."""
+class Layout(RankGroup):
+    """The ranks of one layout, and the step times and losses measured on them."""
 
     def __init__(self, setup: Setup, log_dir: Path) -> None:
-        super().__init__("bench.bench_parallel", setup, WORLD_SIZE, log_dir)
+        super().__init__("bench.bench_parallel", setup, setup.world_size, log_dir)
         self.times: list[float] = []
         self.losses: list[float] = []
 
     def step(self) -> None:
-        """One optimizer step on both ranks; the step takes as long as its slower rank."""
+        """One optimizer step on every rank; the step takes as long as its slowest rank."""
         replies = self.ask("step")
         self.times.append(max(r["seconds"] for r in replies))
         self.losses.append(replies[0]["loss"])
@@ -199,24 +259,25 @@ class Measured:
 
 def measure(setups: list[Setup], args: argparse.Namespace, log_dir: Path) -> list[Measured]:
     """Interleaved timed steps of every layout, then each one's model states and step peaks."""
-    with all_ready(Pair(setup, log_dir) for setup in setups) as group:
+    with all_ready(Layout(setup, log_dir) for setup in setups) as group:
         for round_ in range(args.warmup + args.steps):
-            for pair in group if round_ % 2 == 0 else reversed(group):
-                pair.step()
+            for layout in group if round_ % 2 == 0 else reversed(group):
+                layout.step()
         results = []
-        for pair in group:
-            states = pair.ask("states")
-            seq_lens = args.memory_seq_lens if pair.setup.name in BUDGET_LAYOUTS else [args.seq_len]
-            peaks = {n: max(r["step_peak_mib"] for r in pair.ask(f"memory {n}")) for n in seq_lens}
+        for layout in group:
+            states = layout.ask("states")
+            seq_lens = args.memory_seq_lens if layout.setup.name in BUDGET_LAYOUTS else [args.seq_len]
+            peaks = {n: max(r["step_peak_mib"] for r in layout.ask(f"memory {n}")) for n in seq_lens}
+            median_s = statistics.median(layout.times[args.warmup :])
             results.append(
                 Measured(
-                    setup=pair.setup,
+                    setup=layout.setup,
                     param_bytes=max(s["params"] for s in states),
                     state_bytes=max(s["total"] for s in states),
-                    tokens_per_sec=pair.setup.tokens_per_step / statistics.median(pair.times[args.warmup :]),
+                    tokens_per_sec=layout.setup.tokens_per_step / median_s,
                     step_peak_mib=peaks,
-                    losses=pair.losses,
-                    step_times_s=pair.times,
+                    losses=layout.losses,
+                    step_times_s=layout.times,
                 )
             )
     return results
@@ -258,14 +319,14 @@ def _mib(n: float) -> str:
 def print_table(results: list[Measured], default_seq: int) -> dict[str, Any]:
     base = results[0]
     print(
-        f"  {'layout':<7}{'model states/rank':>20}{'(params)':>14}{'step peak/rank':>17}{'tokens/s (job)':>17}"
-        f"   loss first -> last"
+        f"  {'layout':<12}{'procs':>6}{'model states/rank':>20}{'(params)':>14}{'step peak/rank':>17}"
+        f"{'tokens/s (job)':>17}   loss first -> last"
     )
     out: dict[str, Any] = {}
     for m in results:
         peak = m.step_peak_mib[default_seq]
         print(
-            f"  {m.setup.name:<7}{_mib(m.state_bytes):>20}{_mib(m.param_bytes):>14}"
+            f"  {m.setup.name:<12}{m.setup.world_size:>6}{_mib(m.state_bytes):>20}{_mib(m.param_bytes):>14}"
             f"{peak:>13,.0f} MiB{m.tokens_per_sec:>17,.0f}   {m.losses[0]:.3f} -> {m.losses[-1]:.3f}"
         )
         out[m.setup.name] = {
@@ -328,8 +389,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python -m bench.bench_parallel", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--preset", default="tiny", help="model size (llmtrain's presets)")
-    # fp32 by default: bf16 at ZeRO 1 with sp fails in DeepSpeed 0.19.8's BF16_Optimizer (its grad
-    # norm skips every replicated gradient on sp rank 1, leaving it an empty list to stack).
+    # fp32 by default: on a CPU without bf16 matmuls (AVX2 only) bf16 runs about 250x slower, and the
+    # ratios compare layouts, not precisions.
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--seq-len", type=int, default=256, help="seq_len of the timed steps")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
@@ -347,7 +408,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON results go")
     args = parser.parse_args(argv)
     args.memory_seq_lens = sorted({*args.memory_seq_lens, args.seq_len})
-    if len(args.memory_seq_lens) < 2 or any(n % WORLD_SIZE for n in args.memory_seq_lens):
+    if len(args.memory_seq_lens) < 2 or any(n % 2 for n in args.memory_seq_lens):
         parser.error("the fit needs at least two seq_lens, and sp2 needs each to be even")
     return args
 
@@ -359,19 +420,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(argv or [])
     setups = [
-        Setup(name, tp, sp, args.preset, args.precision, args.seq_len, args.micro_batch)
-        for name, (tp, sp) in LAYOUTS.items()
+        Setup(name, world, tp, sp, pp, args.preset, args.precision, args.seq_len, args.micro_batch)
+        for name, (world, tp, sp, pp) in LAYOUTS.items()
     ]
     params = count_parameters(**PRESETS[args.preset])
     print(
-        f"{args.preset} preset ({params / 1e6:.1f}M parameters), {args.precision}, ZeRO 1, world size "
-        f"{WORLD_SIZE} per layout, {THREADS} thread(s) per rank (BENCH_THREADS), micro-batch {args.micro_batch} "
-        f"per rank, seq_len {args.seq_len}; layouts in their own process pairs, steps interleaved; "
-        f"median over {args.steps} steps after {args.warmup} warm-up"
+        f"{args.preset} preset ({params / 1e6:.1f}M parameters), {args.precision}, ZeRO 1, "
+        f"{THREADS} thread(s) per rank (BENCH_THREADS), micro-batch {args.micro_batch} per rank (2 x pp "
+        f"of them per pipeline step), seq_len {args.seq_len}; layouts in their own process groups, steps "
+        f"interleaved; median over {args.steps} steps after {args.warmup} warm-up"
     )
     with tempfile.TemporaryDirectory(prefix="bench_parallel-") as tmp:
         results = measure(setups, args, Path(tmp))
-    print("Measured (model states after a backward, on the larger rank; step peak above resident memory):")
+    print(
+        "Measured (model states as the update starts, on the largest rank; step peak above resident memory):"
+    )
     table = print_table(results, args.seq_len)
     print(
         f"Longest seq_len whose step peak fits {args.budget_mib:,.0f} MiB per rank at micro-batch "
@@ -381,9 +444,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = print_budget(results, args.budget_mib)
     result = {
         # Not the output path: the file is where it is, and the path would name this machine.
-        "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "world_size": WORLD_SIZE},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "parameters": params,
-        "machine": rundir.environment(WORLD_SIZE),
+        "machine": rundir.environment(max(s.world_size for s in setups)),
         "layouts": table,
         "budget": budget,
     }
