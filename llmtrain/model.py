@@ -299,15 +299,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, d, bias=False)
         self.ulysses: nn.Module | None = None
         self.tp_group: Any = None  # the tensor-parallel group, once parallel.tensor.shard split the weights
+        self.kv_group: Any = None  # this rank's copies of its key/value head, when tp exceeds the heads
         self.compiled = False  # Llama.compile_elementwise: RoPE through torch.compile
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         B, T, _ = x.shape
         x = tensor.enter(x, self.tp_group)
-        # -1 heads: tensor parallelism gives this rank H / tp query and K / tp key/value heads.
+        # -1 heads: tensor parallelism gives this rank H / tp query and K / tp key/value heads (one
+        # replicated key/value head when tp > K).
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, h, Hd]
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
-        v = self.v_proj(x).view(B, T, -1, self.head_dim)  # [B, T, k, Hd]
+        k = tensor.replicated_projection(self.k_proj, x, self.kv_group).view(B, T, -1, self.head_dim)
+        v = tensor.replicated_projection(self.v_proj, x, self.kv_group).view(B, T, -1, self.head_dim)
         if self.compiled:
             q, k = compiled("rope_pair")(q, k, cos, sin)
         else:

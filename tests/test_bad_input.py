@@ -118,9 +118,10 @@ CASES: dict[str, Case] = {
     "tp-not-dividing-world": Case(
         f"{T} --gpus 2 --tp 3", "--tp: tp 3 x sp 1 x pp 1 = 3 does not divide the world size 2", RUN
     ),
+    # 6 heads, debug's 2 key/value heads: tp 3 neither splits nor replicates them evenly
     "tp-kv-heads": Case(
-        f"{T} --gpus 2 --tp 2 --set model.num_key_value_heads=1",
-        "--tp: 1 key/value heads are not divisible by tp 2",
+        f"{T} --gpus 3 --tp 3 --set model.hidden_size=96 --set model.num_attention_heads=6",
+        "--tp: tp 3 is more than the 2 key/value heads and not a multiple of them",
         RUN,
     ),
     "sp-seq-len": Case(

@@ -1,7 +1,8 @@
 """export / eval / generate from tensor- and sequence-parallel checkpoints: the 1-process model's weights.
 
-One configuration trains three ways through the real entry point: one process, `--tp 2` and `--sp 2`
-(ZeRO 1). All fp32 with one thread per process, so the runs differ only in summation order (tp splits
+One configuration trains four ways through the real entry point: one process, `--tp 2`, `--sp 2` and
+`--tp 4` (ZeRO 1; at tp 4 each of the debug preset's 2 key/value heads is held by two ranks, and the
+export keeps one copy: about 25 s more). All fp32 with one thread per process, so the runs differ only in summation order (tp splits
 the matmuls, sp the attention). The 2-process runs go one after the other: their ranks busy-wait in
 collectives, and two such jobs on 2 cores starve each other.
 """
@@ -32,18 +33,23 @@ TRAIN_ARGS = [
     "--seq-len", "32", "--save-every", str(STEPS), "--log-every", "1", "--precision", "fp32",
     "--zero", "1", "--set", "optim.eps=1e-6",
 ]  # fmt: skip
-RUNS = {"one": [], "tp2": ["--gpus", "2", "--tp", "2"], "sp2": ["--gpus", "2", "--sp", "2"]}
+RUNS = {
+    "one": [],
+    "tp2": ["--gpus", "2", "--tp", "2"],
+    "sp2": ["--gpus", "2", "--sp", "2"],
+    "tp4": ["--gpus", "4", "--tp", "4"],
+}
 # The layouts sum their split matmuls in another order: after 4 steps single elements whose gradient
 # is a near-cancellation differ by up to ~2e-7 (seen: one of 4,096 in o_proj), while the losses agree to
 # 1e-9. A misplaced or missing slice would be off by the weights' own scale (~1e-2); exact placement is
 # test_tp_slices_are_put_back_by_column_and_by_row's.
 ATOL = 1e-6
-PARALLEL = ["tp2", "sp2"]
+PARALLEL = ["tp2", "sp2", "tp4"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The three run directories: the 1-process run alongside tp2, then sp2 (about a minute on 2 cores)."""
+    """The run directories: the 1-process run alongside tp2, then sp2 and tp4 (about 90 s on 2 cores)."""
     base = tmp_path_factory.mktemp("parallel_runs")
     one = exportkit.start(base, "one", [*TRAIN_ARGS, *RUNS["one"]])
     for name in PARALLEL:

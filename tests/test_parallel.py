@@ -107,6 +107,9 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2_sp2_zero1": ("batch2_mha", {**TP2_SP2, "zero.stage": 1}),
     "tp2_sp2_zero3": ("batch2_mha", {**TP2_SP2, "zero.stage": 3}),
     "tp2_sp2_zero1_bf16": ("batch2_mha_bf16", {**TP2_SP2, "zero.stage": 1, "train.precision": "bf16"}),
+    # tp 4 over 2 key/value heads: each held by two ranks (parallel.partition's rule)
+    "tp4_zero1": ("batch2", {"parallel.tp": 4, "zero.stage": 1}),
+    "tp4_zero3": ("batch2", {"parallel.tp": 4, "zero.stage": 3}),
 }
 
 # DeepSpeed's activation checkpointing at tp 2 against the same run recomputed through torch's checkpoint:

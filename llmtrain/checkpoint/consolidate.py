@@ -30,7 +30,7 @@ from llmtrain.checkpoint.common import CheckpointError
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 from llmtrain.parallel import stages
-from llmtrain.parallel.partition import tp_split_dim
+from llmtrain.parallel.partition import is_kv_projection, tp_split_dim
 
 
 def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -45,20 +45,20 @@ def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.T
         if info.engine == "fsdp2":
             state = {name: t.float() for name, t in dcp.full_tensors(path, prefix="model.").items()}
         elif _is_pipeline_checkpoint(path):
-            state = _tp_pipeline_fp32(path, info.partitioned)
+            state = _tp_pipeline_fp32(path, info.partitioned, info.kv_replicas)
         else:
-            state = _tp_fp32(path, info.partitioned)
+            state = _tp_fp32(path, info.partitioned, info.kv_replicas)
     return {name: tensor.detach() for name, tensor in state.items()}
 
 
-def _tp_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
+def _tp_fp32(path: Path, partitioned: bool, kv_replicas: int = 1) -> dict[str, torch.Tensor]:
     """A data- and tensor-parallel checkpoint: each tp rank consolidated, then the slices merged."""
     tp_ranks = _mp_ranks(path, "tp ranks")
     if len(tp_ranks) == 1:
         return _one_tp_rank(path, partitioned)
     with tempfile.TemporaryDirectory(prefix="llmtrain_tp_") as tmp:
         views = [_tp_rank_view(path, rank, len(tp_ranks), 1, Path(tmp)) for rank in tp_ranks]
-        return _merge_tp_slices(path, [_one_tp_rank(view, partitioned) for view in views])
+        return _merge_tp_slices(path, [_one_tp_rank(view, partitioned) for view in views], kv_replicas)
 
 
 def _one_tp_rank(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
@@ -101,14 +101,24 @@ def _tp_rank_view(path: Path, t: int, tp: int, stages_count: int, tmp: Path) -> 
     return view
 
 
-def _merge_tp_slices(path: Path, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _merge_tp_slices(
+    path: Path, slices: list[dict[str, torch.Tensor]], kv_replicas: int = 1
+) -> dict[str, torch.Tensor]:
     """Each parameter rebuilt from its per-tp-rank slices, concatenated in tp-rank order along the dim
     parallel.partition splits it (the table the model was sharded by). A parameter every rank holds
-    whole must be equal on every rank, or the checkpoint is refused."""
+    whole must be equal on every rank, and so must the `kv_replicas` consecutive copies of a replicated
+    key/value head (one copy is kept), or the checkpoint is refused."""
     out: dict[str, torch.Tensor] = {}
     for name, first in slices[0].items():
         parts = [first, *(state[name] for state in slices[1:])]
         dim = tp_split_dim(name)
+        if dim is not None and kv_replicas > 1 and is_kv_projection(name):
+            copies = [parts[i : i + kv_replicas] for i in range(0, len(parts), kv_replicas)]
+            if not all(torch.equal(group[0], part) for group in copies for part in group[1:]):
+                raise CheckpointError(
+                    f"{path}: the copies of a key/value head in {name} differ between tp ranks"
+                )
+            parts = [group[0] for group in copies]
         if dim is not None:
             out[name] = torch.cat(parts, dim)
         elif all(torch.equal(first, part) for part in parts[1:]):
@@ -229,7 +239,7 @@ def _is_pipeline_checkpoint(path: Path) -> bool:
     return any(path.glob("layer_*-model_states.pt"))
 
 
-def _tp_pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
+def _tp_pipeline_fp32(path: Path, partitioned: bool, kv_replicas: int = 1) -> dict[str, torch.Tensor]:
     """A pipeline checkpoint with tensor parallelism inside its stages (layer files named
     `layer_NN-model_TT-`): each tp rank's files seen as a pipeline without tp, consolidated, then the
     slices merged; without tp, the pipeline consolidated as it is."""
@@ -240,7 +250,7 @@ def _tp_pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:
     stages_count = len(_mp_ranks(path, "model-parallel ranks")) // tp
     with tempfile.TemporaryDirectory(prefix="llmtrain_tp_pp_") as tmp:
         views = [_tp_rank_view(path, t, tp, stages_count, Path(tmp)) for t in range(tp)]
-        return _merge_tp_slices(path, [_pipeline_fp32(view, partitioned) for view in views])
+        return _merge_tp_slices(path, [_pipeline_fp32(view, partitioned) for view in views], kv_replicas)
 
 
 def _pipeline_fp32(path: Path, partitioned: bool) -> dict[str, torch.Tensor]:

@@ -68,6 +68,7 @@ def read_info(ckpt_dir: Path) -> CheckpointInfo | None:
             created=str(m["created"]),
             engine=str(m.get("engine", "deepspeed")),
             layout=_layout(m.get("layout")),
+            kv_replicas=int(m.get("kv_replicas", 1)),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -186,6 +186,7 @@ def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:
         "world_size": info.world_size,
         "zero_stage": info.zero_stage,
         **({"layout": info.layout} if info.layout else {}),
+        "kv_replicas": info.kv_replicas,
         "partitioned": False,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": [

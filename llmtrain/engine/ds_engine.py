@@ -23,6 +23,7 @@ from llmtrain.envvar import set_for_block
 from llmtrain.parallel import tensor as tensor_parallel
 from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.mesh import Mesh, process_groups
+from llmtrain.parallel.partition import kv_replicas
 from llmtrain.quiet import held_stdout
 
 
@@ -43,7 +44,7 @@ def build_engine(
     mpu = process_groups(cfg.layout(world_size))
     model = pretrained.model_for(cfg, device, ds_config)
     if mpu is not None and cfg.parallel.tp > 1:
-        tensor_parallel.shard(model, mpu.get_tensor_model_parallel_group())
+        tensor_parallel.shard_over(model, mpu, cfg.model.num_key_value_heads)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing, cfg.train.checkpoint_every_k)
     use_deepspeed_checkpointing(model, ds_config, mpu, device)
     if mpu is not None and cfg.parallel.sp > 1:
@@ -58,7 +59,8 @@ def build_engine(
     with held_stdout():  # the bf16 optimizer prints memory reports
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config, mpu=mpu)
     plain = cfg.zero.stage == 0 and cfg.train.precision == "fp32"
-    return DeepSpeedEngine(engine, device, cfg.layout(world_size), plain_optimizer=plain)
+    copies = kv_replicas(cfg.model.num_key_value_heads, cfg.parallel.tp)
+    return DeepSpeedEngine(engine, device, cfg.layout(world_size), plain_optimizer=plain, kv_replicas=copies)
 
 
 def use_deepspeed_checkpointing(
@@ -133,11 +135,20 @@ class DeepSpeedEngine(Engine):
     backward, a no-op until the accumulation boundary. A skipped update is a NaN gradient: DeepSpeed's
     overflow check then drops it on every rank."""
 
-    def __init__(self, ds: Any, device: torch.device, layout: Layout, plain_optimizer: bool = False) -> None:
+    def __init__(
+        self,
+        ds: Any,
+        device: torch.device,
+        layout: Layout,
+        plain_optimizer: bool = False,
+        kv_replicas: int = 1,
+    ) -> None:
         self.ds, self.device, self.wrapper, self.layout = ds, device, ds, layout
         self.optimizer = ds.optimizer
         # Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own.
         self.plain_optimizer = plain_optimizer
+        # tp ranks holding each key/value head (parallel.partition): consolidation keeps one copy.
+        self.kv_replicas = kv_replicas
 
     @property
     def module(self) -> torch.nn.Module:
@@ -183,7 +194,12 @@ class DeepSpeedEngine(Engine):
 
     def checkpoint_facts(self) -> dict[str, Any]:
         axes = {"tp": self.layout.tp, "sp": self.layout.sp, "pp": self.layout.pp}
-        return {"engine": "deepspeed", "zero_stage": int(self.ds.zero_optimization_stage()), "layout": axes}
+        return {
+            "engine": "deepspeed",
+            "zero_stage": int(self.ds.zero_optimization_stage()),
+            "layout": axes,
+            "kv_replicas": self.kv_replicas,
+        }
 
 
 def _torch_optimizer(optimizer: Any) -> Any:

@@ -54,6 +54,7 @@ from llmtrain.parallel import stages
 from llmtrain.parallel import tensor as tensor_parallel
 from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.mesh import process_groups
+from llmtrain.parallel.partition import kv_replicas
 from llmtrain.quiet import held_stdout
 
 TIED_KEY = "embed"
@@ -330,13 +331,14 @@ def build_engine(
     mesh = process_groups(layout)
     pipe = build_pipeline(cfg, device, layout)
     if mesh is not None and layout.tp > 1:  # tensor parallelism inside each stage, over its tensor group
-        tensor_parallel.shard(pipe, mesh.get_tensor_model_parallel_group())
+        tensor_parallel.shard_over(pipe, mesh, cfg.model.num_key_value_heads)
     use_deepspeed_checkpointing(pipe, ds_config, mesh, device)
     groups = param_groups(named_parameters(pipe), cfg.optim.weight_decay)
     with held_stdout():  # the bf16 optimizer prints memory reports
         engine, *_ = deepspeed.initialize(model=pipe, model_parameters=groups, config=ds_config)
     install_schedule(engine, cfg.parallel.pp_schedule)
-    return PipelineEngine(engine, device, layout)
+    copies = kv_replicas(cfg.model.num_key_value_heads, layout.tp)
+    return PipelineEngine(engine, device, layout, kv_replicas=copies)
 
 
 class PipelineEngine(DeepSpeedEngine):

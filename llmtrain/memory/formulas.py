@@ -562,7 +562,8 @@ def layer_activation_bytes(
     the fp32 rsqrt per token. Attention: the normed input to q/k/v, the RoPE-rotated q and k,
     v, SDPA's output (which o_proj reads as a view) and its fp32 log-sum-exp per head; RoPE's cos/sin are
     shared by all layers. GQA: k and v have kv_heads x head_dim columns (SDPA's enable_gqa does not copy
-    them); with document masking they are repeated to all heads. SwiGLU: the normed input, gate, silu(gate),
+    them; one whole head per rank when tp exceeds them); with document masking they are repeated to all
+    heads. SwiGLU: the normed input, gate, silu(gate),
     up and their product.
 
     Tensor parallelism splits what lies between a column-parallel projection and its row-parallel partner
@@ -572,9 +573,11 @@ def layer_activation_bytes(
     and o_proj saves the all-to-all's output back, a copy apart from SDPA's output.
     """
     b, d, tokens = _bytes_of(precision), model.hidden_size, batch * seq // sp
-    kv = d if doc_mask else model.num_key_value_heads * model.head_width
+    # k and v columns on one rank: its key/value heads (one whole head, replicated, when tp exceeds them)
+    kv_heads = model.num_key_value_heads
+    kv = d // tp if doc_mask else kv_heads * model.head_width // min(tp, kv_heads)
     norms = 2 * (tokens * d * b + FP32 * tokens)
-    heads = (b * tokens * (2 * d + 2 * kv) + FP32 * tokens * model.num_attention_heads) // tp
+    heads = (b * tokens * 2 * d + FP32 * tokens * model.num_attention_heads) // tp + b * tokens * 2 * kv
     regathered = b * tokens * d // tp if sp > 1 else 0  # this tp rank's heads
     attention = b * tokens * d + heads + regathered
     mlp = b * tokens * d + 4 * b * tokens * model.intermediate_size // tp

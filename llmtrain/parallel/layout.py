@@ -108,15 +108,24 @@ def check_shape(
         f"{layout.pp} stages for {layers} transformer blocks; use at most {layers} stages",
     )
     # Heads are split whole, and each rank's query heads must share its key/value heads: tp splits
-    # them first, then Ulysses' all-to-all splits each tp rank's heads over sp.
+    # them first, then Ulysses' all-to-all splits each tp rank's heads over sp. With more tp ranks than
+    # key/value heads, each is replicated over tp / kv_heads ranks (parallel.partition's rule).
     splits = [("parallel.tp", layout.tp, f"tp {layout.tp}"), ("parallel.sp", layout.sp, f"sp {layout.sp}")]
     if layout.tp > 1 and layout.sp > 1:
         splits.append(("parallel.sp", layout.tp * layout.sp, f"tp {layout.tp} x sp {layout.sp}"))
     for key, degree, what in splits:
         if degree == 1:
             continue
-        for count, name in ((heads, "attention heads"), (kv_heads, "key/value heads")):
-            _require(count % degree == 0, key, f"{count} {name} are not divisible by {what}")
+        _require(heads % degree == 0, key, f"{heads} attention heads are not divisible by {what}")
+        if key == "parallel.tp" and degree > kv_heads:
+            _require(
+                degree % kv_heads == 0,
+                key,
+                f"tp {degree} is more than the {kv_heads} key/value heads and not a multiple of them "
+                f"(each would be replicated over tp / {kv_heads} ranks); use a divisor or a multiple of {kv_heads}",
+            )
+            continue
+        _require(kv_heads % degree == 0, key, f"{kv_heads} key/value heads are not divisible by {what}")
     if layout.tp > 1:
         _require(
             mlp_width % layout.tp == 0,
@@ -138,14 +147,15 @@ def check_shape(
         )
 
 
-def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bool) -> None:
+def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bool, kv_heads: int) -> None:
     """A resume keeps the run's sp degree and may change its world size and its tp and pp degrees:
     DeepSpeed's universal conversion re-partitions the ZeRO shards over the new data-parallel ranks,
     merging each tensor's tp slices by the split the checkpoint records and slicing them again on load
     (checkpoint.universal). Two cases it cannot carry: a checkpoint without sharded optimizer state (ZeRO 0
     in fp32, nothing to convert) on other tp / pp degrees, and tensor parallelism at ZeRO 3 on any other
     layout (DeepSpeed 0.19.8's ZeRO 3 conversion does not merge tp slices; measured: the load fails on a
-    slice's bounds)."""
+    slice's bounds), and another tp degree where either holds copies of key/value heads (tp > kv_heads:
+    the conversion would concatenate the copies as if they were distinct heads)."""
     if saved == layout:
         return
     was = f"this run was saved on {saved.world_size} processes ({saved.describe()})"
@@ -154,6 +164,11 @@ def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bo
             f"{flag_for('parallel.tp')}/{flag_for('parallel.pp')}: {was}; a checkpoint without sharded "
             f"optimizer state (ZeRO 0 in fp32) resumes with the tp and pp it was saved with "
             f"(--tp {saved.tp} --pp {saved.pp})"
+        )
+    if saved.tp != layout.tp and max(saved.tp, layout.tp) > kv_heads:
+        raise ConfigError(
+            f"{flag_for('parallel.tp')}: {was}; with more tp ranks than the {kv_heads} key/value heads each "
+            f"head is held in copies, which the universal conversion cannot re-partition: resume with --tp {saved.tp}"
         )
     if zero_stage == 3 and max(saved.tp, layout.tp) > 1:
         raise ConfigError(

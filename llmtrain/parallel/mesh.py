@@ -38,6 +38,7 @@ class Mesh:
     def __init__(self, layout: Layout, rank: int, groups: dict[str, Any], ranks: dict[str, list[int]]):
         self.layout, self.rank = layout, rank
         self._groups, self._ranks = groups, ranks
+        self._tensor_subgroups: dict[int, Any] = {}
 
     @classmethod
     def build(cls, layout: Layout, rank: int) -> Mesh:
@@ -54,6 +55,21 @@ class Mesh:
 
     def _index(self, name: str) -> int:
         return self._ranks[name].index(self.rank)
+
+    def tensor_subgroup(self, size: int) -> Any:
+        """This rank's group of `size` consecutive ranks of its tensor group: the replicas of one key/value
+        head when tp exceeds the heads (parallel.partition). Built on first use, by every rank alike
+        (every rank shards its model, in the same order)."""
+        import torch.distributed as dist
+
+        if size not in self._tensor_subgroups:
+            for members in self.layout.groups_along(("tp",)):
+                for start in range(0, len(members), size):
+                    part = members[start : start + size]
+                    group = dist.new_group(part)  # collective: every rank, every group, this order
+                    if self.rank in part:
+                        self._tensor_subgroups[size] = group
+        return self._tensor_subgroups[size]
 
     # ------------------------------------------------------------ DeepSpeed's mpu interface
 

@@ -10,6 +10,13 @@ block needs one all-reduce after attention and one after the MLP. The embedding 
 split by vocabulary (dim 0: each rank a block of token rows; a lookup sums the ranks' rows, the loss is
 computed vocab-parallel: llmtrain.loss). Norms stay whole on every rank. Torch-free, like the estimator
 that reads it.
+
+Key/value heads are split whole like the query heads while tp divides their number. With more tp ranks
+than key/value heads (grouped-query attention, e.g. 8 KV heads at tp 16) they are replicated by one
+rule: tp must be a multiple of the KV heads, and tp rank r holds KV head r // (tp / kv_heads), the one
+its query heads read (rank r's query heads are consecutive and share it). The tp / kv_heads ranks that
+hold one KV head are its replicas: their gradients are summed, so the copies stay equal
+(parallel.tensor).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ TP_SPLIT_DIM: dict[str, int] = {
 }
 
 
+# The weights replicated over groups of tp ranks when tp exceeds the key/value heads.
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
 # The parameters every tp rank holds whole (by their module's name): the RMSNorm weights.
 WHOLE = ("input_layernorm", "post_attention_layernorm", "norm")
 
@@ -45,6 +55,17 @@ def tp_split_dim(name: str) -> int | None:
     if len(parts) < 2 or parts[-1] != "weight":
         return None
     return TP_SPLIT_DIM.get(parts[-2])
+
+
+def kv_replicas(kv_heads: int, tp: int) -> int:
+    """How many tp ranks hold each key/value head: 1 while tp divides the heads, else tp / kv_heads."""
+    return tp // kv_heads if tp > kv_heads else 1
+
+
+def is_kv_projection(name: str) -> bool:
+    """`layers.3.self_attn.k_proj.weight` and its v_proj twin."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in KV_PROJECTIONS
 
 
 class ModelShape(Protocol):
@@ -66,6 +87,7 @@ class TensorSpec:
     name: str  # model.py's (Hugging Face's without the leading `model.`)
     shape: tuple[int, ...]
     block: int | None  # the transformer block it belongs to; None: embedding, final norm, output layer
+    heads: int | None = None  # key/value heads stacked along dim 0 (k_proj, v_proj): the unit of a split
 
     @property
     def numel(self) -> int:
@@ -76,8 +98,11 @@ class TensorSpec:
         return tp_split_dim(self.name)
 
     def per_rank(self, tp: int) -> int:
-        """Elements one rank holds under tensor parallelism of degree `tp`."""
-        return self.numel // tp if self.tp_dim is not None else self.numel
+        """Elements one rank holds under tensor parallelism of degree `tp` (one whole key/value head when
+        tp exceeds the heads: replicated)."""
+        if self.tp_dim is None:
+            return self.numel
+        return self.numel // min(tp, self.heads or tp)
 
 
 def block_tensors(m: ModelShape, index: int = 0) -> list[TensorSpec]:
@@ -96,7 +121,13 @@ def block_tensors(m: ModelShape, index: int = 0) -> list[TensorSpec]:
         "mlp.up_proj": (f, d),
         "mlp.down_proj": (d, f),
     }
-    return [TensorSpec(f"layers.{index}.{name}.weight", shape, index) for name, shape in shapes.items()]
+    kv_heads = m.num_key_value_heads
+    return [
+        TensorSpec(
+            f"layers.{index}.{name}.weight", shape, index, kv_heads if name.endswith(KV_PROJECTIONS) else None
+        )
+        for name, shape in shapes.items()
+    ]
 
 
 def tensors(m: ModelShape) -> list[TensorSpec]:

@@ -58,7 +58,13 @@ def prepare_fork(parent: Path, step: str, new_dir: Path, changes: ConfigChanges)
         )
     check_launch(cfg)
     layout = cfg.layout()
-    check_resume(layout, checkpoint.saved_layout(info, layout), cfg.zero.stage, info.partitioned)
+    check_resume(
+        layout,
+        checkpoint.saved_layout(info, layout),
+        cfg.zero.stage,
+        info.partitioned,
+        cfg.model.num_key_value_heads,
+    )
     schedule.check_schedule(cfg)
     try:
         _write_start(parent, new_dir, tag, info.step)

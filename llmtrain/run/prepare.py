@@ -105,9 +105,8 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
     newest = checkpoint.list_complete(root)
     if newest:
         layout = cfg.layout()
-        check_resume(
-            layout, checkpoint.saved_layout(newest[-1], layout), cfg.zero.stage, newest[-1].partitioned
-        )
+        was = checkpoint.saved_layout(newest[-1], layout)
+        check_resume(layout, was, cfg.zero.stage, newest[-1].partitioned, cfg.model.num_key_value_heads)
     schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 
