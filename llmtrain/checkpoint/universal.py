@@ -157,18 +157,13 @@ def _name_as_one_process_model(zero: Path) -> None:
     """A pipeline's per-parameter folders (`3.self_attn.q_proj.weight`, by DeepSpeed's layer index)
     renamed to model.py's names (`layers.2.self_attn.q_proj.weight`), the names every layout's engine
     loads by (engine.pipeline maps its own). The blocks are counted from the final norm's layer index,
-    L + 1. A tied embedding saved by both end stages is one folder (the copies are kept equal)."""
+    L + 1; a tied embedding (`tied_modules.embed.*`) is the embedding's one folder."""
     names = sorted(p.name for p in zero.iterdir() if p.is_dir())
     norms = [int(m.group(1)) for name in names if (m := _PIPELINE_NORM.fullmatch(name))]
     if not norms:
         return  # saved without a pipeline: the names are model.py's already
-    num_blocks = norms[0] - 1
     for name in names:
-        target = zero / model_name(name, num_blocks)
-        if target.exists():
-            shutil.rmtree(zero / name)
-        else:
-            (zero / name).rename(target)
+        (zero / name).rename(zero / model_name(name, norms[0] - 1))
 
 
 def _finish_universal(source: Path, inner: Path, info: CheckpointInfo) -> None:

@@ -151,11 +151,11 @@ def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bo
     """A resume keeps the run's sp degree and may change its world size and its tp and pp degrees:
     DeepSpeed's universal conversion re-partitions the ZeRO shards over the new data-parallel ranks,
     merging each tensor's tp slices by the split the checkpoint records and slicing them again on load
-    (checkpoint.universal). Two cases it cannot carry: a checkpoint without sharded optimizer state (ZeRO 0
-    in fp32, nothing to convert) on other tp / pp degrees, and tensor parallelism at ZeRO 3 on any other
-    layout (DeepSpeed 0.19.8's ZeRO 3 conversion does not merge tp slices; measured: the load fails on a
-    slice's bounds), and another tp degree where either holds copies of key/value heads (tp > kv_heads:
-    the conversion would concatenate the copies as if they were distinct heads)."""
+    (checkpoint.universal). Three cases it cannot carry: a checkpoint without sharded optimizer state
+    (ZeRO 0 in fp32, nothing to convert) on other tp / pp degrees; another tp degree where either layout
+    holds copies of key/value heads (tp > kv_heads: the conversion would concatenate the copies as if
+    they were distinct heads); and tensor parallelism at ZeRO 3 on any other layout (DeepSpeed 0.19.8's
+    ZeRO 3 conversion does not merge tp slices; measured: the load fails on a slice's bounds)."""
     if saved == layout:
         return
     was = f"this run was saved on {saved.world_size} processes ({saved.describe()})"

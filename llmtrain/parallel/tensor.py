@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 
 class _Enter(torch.autograd.Function):
-    """Identity forward; backward sums the input's gradient over the tp group (Megatron's f)."""
+    """Identity forward; backward sums the input's gradient over the group: the tp group (Megatron's f),
+    or the copies of a key/value head (`replicated_projection`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
@@ -67,21 +68,6 @@ def leave(x: Tensor, group: Any) -> Tensor:
     return x if group is None else _Leave.apply(x, group)
 
 
-class _SumGradOver(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group`."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by `scale`."""
 
@@ -103,7 +89,7 @@ def replicated_projection(linear: nn.Module, x: Tensor, group: Any) -> Tensor:
     if group is None:
         return linear(x)
     copies = dist.get_world_size(group)
-    return _SumGradOver.apply(linear(_ScaleGrad.apply(x, 1.0 / copies)), group)
+    return enter(linear(_ScaleGrad.apply(x, 1.0 / copies)), group)  # enter: the gradient summed over `group`
 
 
 class _GatherLastDim(torch.autograd.Function):
