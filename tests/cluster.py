@@ -57,7 +57,7 @@ def _missing_commands() -> list[str]:
     return [name for name, path in found.items() if path is None]
 
 
-def _wait_for_apt(timeout: float = 600.0) -> None:
+def wait_for_apt(timeout: float = 600.0) -> None:
     """Let an apt-get already running finish first (CI installs these packages in the background while
     the venv is built): a second apt-get would fail on dpkg's lock, and the first may bring what we need."""
     import psutil
@@ -69,10 +69,11 @@ def _wait_for_apt(timeout: float = 600.0) -> None:
         time.sleep(2)
 
 
-def _install(missing: list[str]) -> None:
+def install_packages(wanted: list[str]) -> None:
+    """Debian's packages `wanted`, with apt-get as root; Unavailable (the reason) where that cannot run."""
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise Unavailable(f"needs {', '.join(PACKAGES[m] for m in missing)} (apt-get as root to install)")
-    packages = sorted({PACKAGES[m] for m in missing})
+        raise Unavailable(f"needs {', '.join(wanted)} (apt-get as root to install)")
+    packages = sorted(set(wanted))
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -80,25 +81,36 @@ def _install(missing: list[str]) -> None:
             raise Unavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-300:]}")
 
 
-def _free_port(address: str) -> int:
+def free_port(address: str) -> int:
     with socket.socket() as s:
         s.bind((address, 0))
         return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
-def _host_names() -> Iterator[None]:
-    lines = [f"{address} {name} {_HOSTS_MARK}\n" for name, address in NODES.items()]
-    original = _HOSTS_FILE.read_text()
-    kept = "".join(line for line in original.splitlines(keepends=True) if _HOSTS_MARK not in line)
-    _HOSTS_FILE.write_text(kept + "".join(lines))
+def host_names(nodes: dict[str, str] = NODES, mark: str = _HOSTS_MARK) -> Iterator[None]:
+    """`nodes`' names in /etc/hosts while the context lasts, on lines carrying `mark`. The loopback
+    clusters of two test files may run side by side (pytest-xdist): each edits only its own lines,
+    under a lock."""
+    with _hosts_locked():
+        original = _HOSTS_FILE.read_text()
+        kept = "".join(line for line in original.splitlines(keepends=True) if mark not in line)
+        _HOSTS_FILE.write_text(kept + "".join(f"{address} {name} {mark}\n" for name, address in nodes.items()))
     try:
         yield
     finally:
-        current = _HOSTS_FILE.read_text()
-        _HOSTS_FILE.write_text(
-            "".join(ln for ln in current.splitlines(keepends=True) if _HOSTS_MARK not in ln)
-        )
+        with _hosts_locked():
+            current = _HOSTS_FILE.read_text()
+            _HOSTS_FILE.write_text("".join(ln for ln in current.splitlines(keepends=True) if mark not in ln))
+
+
+@contextlib.contextmanager
+def _hosts_locked() -> Iterator[None]:
+    import fcntl
+
+    with open("/tmp/llmtrain-test-hosts.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _keygen(path: Path, kind: str = "ed25519") -> None:
@@ -152,14 +164,14 @@ def cluster(root: Path) -> Iterator[Cluster]:
     """Start the cluster under ROOT (a fresh directory); stops sshd and removes the host names after."""
     if os.geteuid() != 0:
         raise Unavailable("needs root (to add host names to /etc/hosts and start sshd)")
-    _wait_for_apt()
+    wait_for_apt()
     missing = _missing_commands()
     if missing:
-        _install(missing)
+        install_packages([PACKAGES[m] for m in missing])
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
     _keygen(root / "host_key")
     _keygen(root / "client_key")
-    port = _free_port(NODES["node-a"])
+    port = free_port(NODES["node-a"])
     sshd = subprocess.Popen(
         [SSHD, "-D", "-e", "-f", str(_sshd_config(root, port))],
         stdout=subprocess.DEVNULL,
@@ -167,7 +179,7 @@ def cluster(root: Path) -> Iterator[Cluster]:
         start_new_session=True,
     )
     try:
-        with _host_names():
+        with host_names():
             config, bin_dir = _ssh_client(root, port)
             found = Cluster(bin_dir=bin_dir, ssh_config=config, port=port)
             _wait_for_ssh(found)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -145,6 +146,10 @@ _PROCESS_KEY = "llmtrain/process/{rank}"
 _PROGRESS_KEY = "llmtrain/progress/{rank}"
 _STORE_QUERY_TIMEOUT = timedelta(seconds=5)
 _PROBE_TIMEOUT_S = 3.0
+# A killed process closes its sockets while the kernel tears it down, a moment before it shows as dead
+# (a zombie, or a refused probe): a peer that lost contact looks again for this long before calling
+# the other rank alive.
+_DYING_GRACE_S = 2.0
 _TIMEOUT_TEXT = ("timed out", "timeout")
 _LOST_TEXT = ("connection closed", "connection reset", "broken pipe", "connection refused")
 _liveness: list[socket.socket] = []  # kept open for the life of the process
@@ -217,18 +222,20 @@ def _describe_peers(rank: int, step: int | None) -> str:
             return ""
         store = store.clone()
         store.set_timeout(_STORE_QUERY_TIMEOUT)
-        notes = [_describe_peer(store, peer, step) for peer in range(dist.get_world_size()) if peer != rank]
+        deadline = time.monotonic() + _DYING_GRACE_S
+        peers = [peer for peer in range(dist.get_world_size()) if peer != rank]
+        notes = [_describe_peer(store, peer, step, deadline) for peer in peers]
     except Exception:  # the store lives in rank 0's process: gone with it
         return "rank 0 (which holds the job's key-value store) is unreachable"
     return "; ".join(n for n in notes if n)
 
 
-def _describe_peer(store: Any, peer: int, step: int | None) -> str:
+def _describe_peer(store: Any, peer: int, step: int | None, deadline: float) -> str:
     process_key, progress_key = _PROCESS_KEY.format(rank=peer), _PROGRESS_KEY.format(rank=peer)
     if store.check([process_key]):
         process = json.loads(store.get(process_key).decode())
         where = f"rank {peer} on {process['node']} (pid {process['pid']})"
-        state = _peer_state(process)
+        state = _settled_state(process, deadline)
         if state == "dead":
             return f"{where} has died (crashed or killed)"
         if state == "unreachable":
@@ -238,6 +245,13 @@ def _describe_peer(store: Any, peer: int, step: int | None) -> str:
         if reached < step:
             return f"rank {peer} is stuck: it never reached step {step} (last at step {reached})"
     return ""
+
+
+def _settled_state(process: dict[str, Any], deadline: float) -> str:
+    """The peer's state, looked at again until `deadline` while it still seems alive."""
+    while (state := _peer_state(process)) == "alive" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return state
 
 
 def _peer_state(process: dict[str, Any]) -> str:
