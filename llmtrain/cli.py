@@ -326,15 +326,28 @@ def train_cmd(
         ),
     ] = None,
     lock_wait: Annotated[float | None, _lock_wait_option("default 0; 120 with --resume auto")] = None,
+    sbatch: Annotated[
+        Path | None,
+        typer.Option(
+            "--sbatch",
+            metavar="FILE",
+            help="Write the Slurm batch script for this run (--nodes x --gpus tasks, requeued on "
+            "preemption, saved before the time limit, resumed with --resume auto) instead of training.",
+        ),
+    ] = None,
 ) -> None:
     """Train a model: DeepSpeed config from the flags, Llama model, checkpoints, LR schedule."""
     from llmtrain import rundir
-    from llmtrain.run import lock
+    from llmtrain.run import lock, slurm
 
     if resume not in (None, "auto"):
         raise ConfigError(
             f"--resume: only `auto` is accepted, got {resume!r}; to resume a run use `llmtrain resume RUN_DIR`"
         )
+    if sbatch is not None:
+        _write_sbatch(cfg_args, sbatch)
+        return
+    slurm.adopt_step(cfg_args["flags"])  # under srun: this task's rank, before the lock
     resume_auto = resume == "auto"
     wait_s = lock.wait_seconds(lock_wait, resume_auto)
     cfg = resolve_config(cfg_args)
@@ -345,6 +358,37 @@ def train_cmd(
 
         code = held.note(launch.start(prepare.prepare_train(cfg, resume_auto, made_dir=held.made_dir)))
     _exit_with(code)
+
+
+def _write_sbatch(cfg_args: dict[str, Any], path: Path) -> None:
+    from llmtrain import rundir
+    from llmtrain.fsutil import write_atomic
+    from llmtrain.run import nodes, slurm
+
+    slurm.check_script_path(path)
+    cfg = resolve_config(cfg_args)
+    slurm.check_job_launch(cfg.launch)
+    run_dir = rundir.train_run_dir(cfg).resolve()
+    # The job's nodes, not this login node, have the GPUs: asked for unless DS_ACCELERATOR=cpu says not.
+    gpus = os.environ.get("DS_ACCELERATOR") != "cpu"
+    script = slurm.batch_script(
+        slurm.train_arguments(cfg_args, run_dir, _state["debug"]),
+        nodes=cfg.launch.nodes,
+        tasks_per_node=cfg.launch.gpus,
+        gpus=gpus,
+        run_dir=run_dir,
+        output=path.resolve().with_name(f"{path.stem}-%j.out"),
+        env=nodes.forwarded_environment(dict(os.environ), []),
+    )
+    write_atomic(path, script)
+    path.chmod(0o755)
+    print(
+        f"wrote {path}: {slurm.job_shape(cfg.launch.nodes, cfg.launch.gpus)}, requeued on preemption, "
+        f"saved {slurm.SIGNAL_BEFORE_LIMIT_S} s before the time limit, into {run_dir}"
+    )
+    if gpus:
+        print(f"each task has a GPU of its own (#SBATCH --gpus-per-node={cfg.launch.gpus})")
+    print(f"submit it with: sbatch {path}  (add --time, --partition, --account as your cluster asks)")
 
 
 @app.command("resume")
@@ -362,8 +406,9 @@ def resume_cmd(
     --config, --set and flags change the saved config where that keeps the continuation exact (run
     length, cadences, logging, launch) or re-partitions the checkpoint (--gpus, --nodes, --tp, --pp); any
     other change is refused."""
-    from llmtrain.run import lock
+    from llmtrain.run import lock, slurm
 
+    slurm.adopt_step(cfg_args["flags"])
     if strict:
         cfg_args["sets"] = [*cfg_args["sets"], "checkpoint.strict=true"]
     wait_s = lock.wait_seconds(lock_wait, resume_auto=False)
@@ -394,8 +439,9 @@ def fork_cmd(
     weights, optimizer, data position, counters. The config may change what a fork is for (the
     schedule, e.g. a WSD cooldown from here: --steps N+K --set schedule.decay_steps=K, and the run's
     length) and what a resume may change; RUN_DIR is left as it is."""
-    from llmtrain.run import lock
+    from llmtrain.run import lock, slurm
 
+    slurm.adopt_step(cfg_args["flags"])
     new_dir = cfg_args["flags"].pop("run_dir", None)
     if new_dir is None:
         raise ConfigError(f"fork {parent}: give the new run's directory with --run-dir NEW")

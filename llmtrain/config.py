@@ -806,6 +806,13 @@ def _validate_train(cfg: TrainConfig) -> None:
     _require(t.eval_batches > 0, "train.eval_batches", "must be positive")
     _require(cfg.launch.gpus > 0, "launch.gpus", f"must be at least 1, got {cfg.launch.gpus}")
     _require(cfg.launch.nodes > 0, "launch.nodes", f"must be at least 1, got {cfg.launch.nodes}")
+    _require(
+        cfg.launch.launcher != "slurm",
+        "launch.launcher",
+        "slurm: DeepSpeed's Slurm runner drops `-m llmtrain` and cannot start the workers; inside an "
+        "allocation run `srun llmtrain train ...` (one task per GPU), or have `llmtrain train ... --sbatch "
+        "FILE` write the job script",
+    )
     if t.global_batch is not None:
         _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
     check_layout(cfg, cfg.layout())

@@ -95,7 +95,9 @@ def host_names(nodes: dict[str, str] = NODES, mark: str = _HOSTS_MARK) -> Iterat
     with _hosts_locked():
         original = _HOSTS_FILE.read_text()
         kept = "".join(line for line in original.splitlines(keepends=True) if mark not in line)
-        _HOSTS_FILE.write_text(kept + "".join(f"{address} {name} {mark}\n" for name, address in nodes.items()))
+        _HOSTS_FILE.write_text(
+            kept + "".join(f"{address} {name} {mark}\n" for name, address in nodes.items())
+        )
     try:
         yield
     finally:

@@ -21,6 +21,7 @@ LONGEST_FIRST = [
     "test_faults.py",
     "test_checkpoint.py",
     "test_pipeline.py",
+    "test_slurm.py",
     "test_train_dist.py",
     "test_readme.py",
     "test_data_mixture_run.py",

@@ -26,6 +26,9 @@ NODES = {"slurm-a": "127.0.0.4", "slurm-b": "127.0.0.5"}
 
 PACKAGES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "srun": "slurm-client", "munged": "munge"}
 SBIN = ("/usr/sbin", "/usr/bin")
+# More CPUs than the machine has (slurmd takes the configured count: config_overrides), so that the
+# tests' jobs of one task per node run side by side instead of queueing for a core.
+CPUS_PER_NODE = 4
 
 
 @dataclass
@@ -43,7 +46,7 @@ def _which(name: str) -> str | None:
 def _conf(root: Path, ports: dict[str, int]) -> Path:
     host = socket.gethostname()
     nodes = "".join(
-        f"NodeName={name} NodeHostname={host} NodeAddr={address} Port={ports[name]} CPUs=2 State=UNKNOWN\n"
+        f"NodeName={name} NodeHostname={host} NodeAddr={address} Port={ports[name]} CPUs={CPUS_PER_NODE} State=UNKNOWN\n"
         for name, address in NODES.items()
     )
     conf = root / "slurm.conf"
@@ -53,7 +56,7 @@ def _conf(root: Path, ports: dict[str, int]) -> Path:
         f"SlurmUser=root\nSlurmdUser=root\nStateSaveLocation={root / 'state'}\n"
         f"SlurmdSpoolDir={root / 'spool'}/%n\nSlurmctldPidFile={root / 'slurmctld.pid'}\n"
         f"SlurmdPidFile={root / 'slurmd-%n.pid'}\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
-        "MpiDefault=none\nSchedulerType=sched/builtin\nSelectType=select/cons_tres\n"
+        "SlurmdParameters=config_overrides\nMpiDefault=none\nSchedulerType=sched/builtin\nSelectType=select/cons_tres\n"
         "SelectTypeParameters=CR_Core\nJobRequeue=1\nReturnToService=2\n"
         f"{nodes}PartitionName=test Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP "
         "OverSubscribe=YES\n"
@@ -107,7 +110,9 @@ def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
             daemons.append(_start(munged, root / "munged.out", env))
             daemons.append(_start([str(_which("slurmctld")), "-D"], root / "slurmctld.log", env))
             for name in NODES:
-                daemons.append(_start([str(_which("slurmd")), "-D", "-N", name], root / f"slurmd-{name}.log", env))
+                daemons.append(
+                    _start([str(_which("slurmd")), "-D", "-N", name], root / f"slurmd-{name}.log", env)
+                )
             _wait_for_nodes(env, daemons, root)
             yield SlurmCluster(conf)
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
-NODE_ENV = "LLMTRAIN_NODE"  # set only in the workers of a hostfile launch
+NODE_ENV = "LLMTRAIN_NODE"  # set only in the workers of a hostfile launch and in srun tasks
 
 
 def node_name() -> str:

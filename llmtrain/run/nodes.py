@@ -46,7 +46,6 @@ RUNNER_PROGRAMS = {
     "mpich": "mpirun",
     "impi": "mpirun",
     "mvapich": "mpiname",
-    "slurm": "sinfo",
 }
 SSH_RUNNERS = ("pdsh", "openmpi", "mpich", "impi", "mvapich")  # reach the nodes over ssh
 SSH_TIMEOUT_S = 20.0

@@ -1,4 +1,6 @@
-"""Ranks from Slurm: `srun llmtrain train ...` inside an allocation, one task per device.
+"""Slurm: ranks from `srun`, and the batch script `train --sbatch FILE` writes.
+
+Ranks. `srun llmtrain train ...` inside an allocation, one task per device.
 
 srun starts every task of a job step with the step's shape in SLURM_* variables, and with none of the
 variables torch.distributed reads. Each task of a step of several tasks becomes one rank, as under
@@ -8,19 +10,32 @@ site's own choice wins). From there the run is prepared and launched as under an
 rank 0 takes the run directory's lock and every rank takes rank 0's config.
 
 A step of one task (`srun -n1 llmtrain train --gpus 8`), and the batch script itself (which is no step),
-launch as on any machine. Torch-free.
+launch as on any machine. Each task is named by its Slurm node (SLURMD_NODENAME), and its output reaches
+the user through srun, as plain lines.
+
+The batch script (`batch_script`) runs the same `train` under srun with `--resume auto`, asks to be
+requeued on preemption, and is signalled before the time limit. Slurm sends SIGTERM to every task on
+preemption, `scontrol requeue` and scancel: each finishes its step, all save together and exit 0 (the
+job's KillWait is the time they have). The time-limit signal (USR1) goes to the script alone; it asks
+the tasks to save the same way (scancel --signal, since srun itself would end the step on a SIGTERM)
+and requeues the job once they have. A requeued job starts the script again and continues from the
+checkpoint. Torch-free.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from llmtrain.config import ConfigError, flag_for
+from llmtrain.config import ConfigError, LaunchConfig, flag_for
+from llmtrain.parallel.node import NODE_ENV
 
 # Derived ports stay below Linux's ephemeral range (32768-60999), where outgoing connections take theirs.
 PORT_BASE, PORT_SPAN = 20000, 12000
@@ -58,6 +73,7 @@ def rank_environment(env: Mapping[str, str], hostnames: Callable[[str], list[str
         out["MASTER_ADDR"] = nodes[0]
     if "MASTER_PORT" not in env:
         out["MASTER_PORT"] = str(PORT_BASE + _number(env, "SLURM_JOB_ID") % PORT_SPAN)
+    out[NODE_ENV] = _variable(env, "SLURMD_NODENAME")
     return out
 
 
@@ -120,3 +136,118 @@ def _number(env: Mapping[str, str], name: str, fallback: str | None = None) -> i
     if not value.isdigit():
         raise ConfigError(f"{name}: {value!r} is not a number")
     return int(value)
+
+
+# ---------------------------------------------------------------- the batch script of `train --sbatch`
+
+SCRIPT_MARK = "# Written by `llmtrain train --sbatch`"
+# Seconds before the time limit that the script is told to save: room for a step and a checkpoint.
+SIGNAL_BEFORE_LIMIT_S = 300
+# Settings of DeepSpeed's runner, which a job has no use for: srun starts its tasks on the nodes Slurm
+# allocates, with the environment sbatch passes on.
+RUNNER_SETTINGS = (
+    "launch.hostfile",
+    "launch.launcher",
+    "launch.launcher_args",
+    "launch.master_addr",
+    "launch.master_port",
+    "launch.forward_env",
+)
+
+
+def check_job_launch(launch: LaunchConfig) -> None:
+    """A job is sized by --nodes and --gpus alone; a runner's setting is refused (one line, exit 2)."""
+    default = LaunchConfig()
+    for key in RUNNER_SETTINGS:
+        name = key.removeprefix("launch.")
+        if getattr(launch, name) != getattr(default, name):
+            raise ConfigError(
+                f"{flag_for(key)}: not for a Slurm job, whose tasks srun starts on the nodes Slurm "
+                f"allocates, with the environment sbatch passes on; drop {flag_for(key)} (--nodes and "
+                "--gpus size the job)"
+            )
+
+
+def check_script_path(path: Path) -> None:
+    """A job script of ours may be written again; any other file is left alone (one line, exit 2)."""
+    if path.is_dir():
+        raise ConfigError(f"--sbatch {path}: is a directory; give the path of the job script to write")
+    if path.exists() and SCRIPT_MARK not in path.read_text(errors="replace")[:200]:
+        raise ConfigError(
+            f"--sbatch {path}: exists and was not written by llmtrain; nothing was changed; choose "
+            "another path or remove it"
+        )
+    if not path.parent.is_dir():
+        raise ConfigError(f"--sbatch {path}: the folder {path.parent} does not exist; create it first")
+
+
+def job_shape(nodes: int, tasks_per_node: int) -> str:
+    """`2 nodes x 8 tasks per node`."""
+    return f"{nodes} node{'s' * (nodes != 1)} x {tasks_per_node} task{'s' * (tasks_per_node != 1)} per node"
+
+
+def train_arguments(cfg_args: Mapping[str, Any], run_dir: Path, debug: bool) -> list[str]:
+    """The `llmtrain` arguments each task of the job runs: this command's config, sets and flags,
+    without --gpus and --nodes (the job's tasks are the ranks), on RUN_DIR (absolute) with --resume auto."""
+    args = ["--debug", "train"] if debug else ["train"]
+    if cfg_args["config_file"] is not None:
+        args += ["--config", str(cfg_args["config_file"])]
+    for item in cfg_args["sets"]:
+        args += ["--set", item]
+    for key, value in cfg_args["flags"].items():
+        if value is None or key in LAUNCH_FLAGS or key == "run_dir":
+            continue
+        flag = flag_for(key)
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            args += [token for item in value for token in (flag, str(item))]
+        else:
+            args += [flag, str(value)]
+    return [*args, "--run-dir", str(run_dir.resolve()), "--resume", "auto"]
+
+
+def batch_script(
+    train_args: list[str], nodes: int, tasks_per_node: int, gpus: bool, run_dir: Path, output: Path,
+    env: Mapping[str, str],
+) -> str:  # fmt: skip
+    """The sbatch script that trains RUN_DIR under srun until done, through preemptions, requeues and
+    time limits. `gpus`: ask for one GPU per task; `env`: the variables every task needs."""
+    gpu_line = f"#SBATCH --gpus-per-node={tasks_per_node}\n" if gpus else ""
+    exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in env.items())
+    python = shlex.quote(sys.executable)
+    return f"""#!/bin/bash
+{SCRIPT_MARK} for {run_dir}. Submit it with `sbatch FILE`, adding
+# --time=HH:MM:SS, --partition or --account as your cluster asks (options given to sbatch win).
+#SBATCH --job-name=llmtrain-{run_dir.name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={tasks_per_node}
+{gpu_line}#SBATCH --requeue
+#SBATCH --signal=B:USR1@{SIGNAL_BEFORE_LIMIT_S}
+#SBATCH --output={output}
+#SBATCH --open-mode=append
+
+# Every task is one rank. SIGTERM (preemption, scontrol requeue, scancel) reaches every task from
+# Slurm: each finishes its step, all save together and exit 0 within the job's KillWait, and a
+# requeued job continues from that checkpoint (--resume auto). USR1, {SIGNAL_BEFORE_LIMIT_S} s before the
+# time limit, reaches this script alone: it has the tasks save the same way (through scancel: srun
+# would end the step on a SIGTERM of its own) and requeues the job once they have.
+cd {shlex.quote(str(Path.cwd()))}
+{exports}export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"
+
+time_up=""
+save_and_stop() {{ scancel --signal=TERM "$SLURM_JOB_ID"; }}
+trap 'time_up=1; echo "llmtrain: job $SLURM_JOB_ID nears its time limit: saving, then requeueing"; save_and_stop' USR1
+trap save_and_stop TERM
+echo "llmtrain: job $SLURM_JOB_ID, attempt $((${{SLURM_RESTART_COUNT:-0}} + 1)), on $SLURM_JOB_NODELIST"
+srun --kill-on-bad-exit=1 {python} -u -m llmtrain {shlex.join(train_args)} &
+srun_pid=$!
+while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done  # a trap ends `wait` early
+wait "$srun_pid"
+code=$?
+echo "llmtrain: srun exited $code"
+if [ -n "$time_up" ] && [ "$code" = 0 ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$code"
+"""

@@ -6,7 +6,10 @@ rank 0 blocks forever before step 2's collective, and file writes on rank 1 fail
 RLIMIT_FSIZE) from the end of step 3 to the end of the next checkpoint save (put STEP right before one). A `#first` suffix (`exit@1:5#first`)
 limits a fault to the first attempt of an elastic launcher (torchrun's TORCHELASTIC_RESTART_COUNT 0), so
 the restarted job runs clean. `grad_spike@0:6` multiplies rank 0's gradients at step 6 by
-GRAD_SPIKE_FACTOR while leaving its loss as it was: a gradient-norm spike with no loss spike. Unset (always, outside tests) it does nothing at all: no hook is
+GRAD_SPIKE_FACTOR while leaving its loss as it was: a gradient-norm spike with no loss spike.
+`slow@0:5` has rank 0 wait SLOW_STEP_S before every step from step 5 on, which slows the whole run
+(the other ranks wait for it in the next collective) and changes no number: a window in which a test's
+signal surely lands mid-run. Unset (always, outside tests) it does nothing at all: no hook is
 registered. A malformed value is bad input (`ConfigError`, one line naming LLMTRAIN_FAULTS and the syntax).
 
 `Faults` is a loop hook (`llmtrain.train.hooks`): `on_forward` poisons or hangs, `after_step` exits or
@@ -29,8 +32,9 @@ from llmtrain.train.hooks import TrainHook
 
 ENV = "LLMTRAIN_FAULTS"
 FIRST_ATTEMPT_ONLY = "#first"
-KINDS = ("nan_loss", "exit", "hang", "disk_full", "grad_spike")
+KINDS = ("nan_loss", "exit", "hang", "disk_full", "grad_spike", "slow")
 GRAD_SPIKE_FACTOR = 1000.0
+SLOW_STEP_S = 0.15
 SYNTAX = (
     f"KIND@RANK:STEP[,STEP...][{FIRST_ATTEMPT_ONLY}] items separated by ';' with KIND one of "
     f"{', '.join(KINDS)} (e.g. nan_loss@1:3,4;exit@0:5#first)"
@@ -46,11 +50,14 @@ class Faults(TrainHook):
     hang_at_step: int | None = None
     disk_full_after_steps: set[int] = field(default_factory=set)
     grad_spike_steps: set[int] = field(default_factory=set)
+    slow_from_step: int | None = None
     _saved_fsize: tuple[int, int] | None = None
 
     def on_forward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         if self.hang_at_step == step:
             _hang()
+        if self.slow_from_step is not None and step >= self.slow_from_step:
+            time.sleep(SLOW_STEP_S)
         if step in self.grad_spike_steps:
             # The same value, GRAD_SPIKE_FACTOR times the gradient.
             return loss * GRAD_SPIKE_FACTOR - (loss * (GRAD_SPIKE_FACTOR - 1)).detach()
@@ -123,6 +130,8 @@ def from_env(rank: int) -> Faults:
             faults.hang_at_step = numbers[0]
         elif kind == "grad_spike":
             faults.grad_spike_steps.update(numbers)
+        elif kind == "slow":
+            faults.slow_from_step = numbers[0]
         else:
             faults.disk_full_after_steps.update(numbers)
     return faults
