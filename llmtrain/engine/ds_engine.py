@@ -307,6 +307,8 @@ def held_model_states(engine: Any) -> HeldStates:
 def _new_bytes(found: list[tuple[str, torch.Tensor]], counted: set[tuple[str, int]]) -> int:
     total = 0
     for path, tensor in found:
+        if tensor.device.type == "meta":  # shape records (DeepSpeed keeps one per parameter): no memory
+            continue
         storage = tensor.untyped_storage()
         key = (tensor.device.type, storage.data_ptr())
         if storage.nbytes() == 0 or key in counted or any(b in path for b in BUFFER_ATTRIBUTES):

@@ -338,15 +338,15 @@ def model_states(setup: Setup) -> ModelStates:
 
 
 def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int) -> ModelStates:
-    # Under bf16 the fp32 accumulation partition is the gradient store, and the bf16 .grad of the last
-    # parameter produced (the embedding, at most the largest tensor) lives until the step.
-    pending = b * _largest_param(setup) if setup.precision == "bf16" else 0
+    # No parameter's .grad outlives the backward: each bucket's reduction moves the rank's share into
+    # the partition store and frees the rest (measured on the real engine: every .grad is None at the
+    # step, under fp32 and bf16, also for the parameter that straddles a partition boundary).
     if setup.offload == "cpu":
         # Gradients reduce into an fp32 pinned CPU partition (the master's .grad); under bf16 DeepSpeed
         # also keeps the fp32 accumulation partition on the GPU.
         return ModelStates(
             params_gpu=b * p,
-            grads_gpu=round(FP32 * part) + pending if setup.precision == "bf16" else 0,
+            grads_gpu=round(FP32 * part) if setup.precision == "bf16" else 0,
             grads_cpu=round(FP32 * part),
             optim_cpu=round(optim * part),
             notes={
@@ -366,18 +366,11 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
                 "optim": _partitioned_optim(setup),
             },
         )
-    partitioned = setup.stage == 2 or setup.cfg.zero.overlap_comm
-    # Gradients in the model dtype are kept as views of each parameter's .grad, so a parameter that
-    # straddles the partition boundary keeps its whole gradient alive (bounded by the largest tensor).
-    # A ZeRO group of one rank (one GPU, or dp 1 under tp) holds neither extra: measured on the real
-    # engine at world 1 and at tp 2 of 2 ranks, the estimate is within 0.5% without them, 2-6% over with.
-    if setup.zero_group == 1:
-        straddle = 0
-    else:
-        straddle = pending if a == FP32 and b != FP32 else a * _largest_param(setup)
+    # overlap_comm as DeepSpeed gets it: a pipeline reduces after its last backward, without it.
+    partitioned = setup.stage == 2 or bool(setup.zero.get("overlap_comm"))
     return ModelStates(
         params_gpu=b * p,
-        grads_gpu=round(a * part) + straddle if partitioned else a * p,
+        grads_gpu=round(a * part) if partitioned else a * p,
         optim_gpu=round(optim * part),
         notes={
             "grads": "partition kept after each bucket's reduction"
