@@ -3,7 +3,7 @@
 - Trajectories: 10 steps of tp 2 and sp 2 on 2 processes, and of dp 2 x tp 2, dp 2 x sp 2 and
   tp 2 x sp 2 on 4, each with ZeRO 1 and ZeRO 3 (tp 2 also with ZeRO 2, sp also with document masking),
   give the losses of one process on the same global batch, to a relative 1e-5 (tp with the
-  vocab-parallel embedding and loss); tp 2 (ZeRO 1 and 3), sp 2 and tp 2 x sp 2 (ZeRO 1) in bf16 those
+  vocab-parallel embedding and loss); tp 2 (ZeRO 1 and 3), dp 2 x tp 2 (ZeRO 3), sp 2 and tp 2 x sp 2 (ZeRO 1) in bf16 those
   of one bf16 process to 1e-3. One launch per world size: the scenarios build their engines in turn.
 - DeepSpeed's activation checkpointing at tp 2 (block inputs partitioned over the tp ranks, in host
   memory, both) follows the same run through torch's checkpoint to 1e-5; partitioned, each block keeps
@@ -84,6 +84,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "batch2_docs_unmasked": {},
     "batch4": {"train.global_batch": 4},
     "batch2_bf16": {"train.precision": "bf16"},
+    "batch4_bf16": {"train.global_batch": 4, "train.precision": "bf16"},
     "batch2_mha": {"model.num_key_value_heads": 4},  # 4 key/value heads: tp 2 x sp 2 splits them
     "batch2_mha_bf16": {"model.num_key_value_heads": 4, "train.precision": "bf16"},
 }
@@ -104,6 +105,7 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2_sp2_zero3": ("batch4", {"parallel.sp": 2, "zero.stage": 3}),
     "dp2_tp2_zero1": ("batch4", {"parallel.tp": 2, "zero.stage": 1}),
     "dp2_tp2_zero3": ("batch4", {"parallel.tp": 2, "zero.stage": 3}),
+    "dp2_tp2_zero3_bf16": ("batch4_bf16", {"parallel.tp": 2, "zero.stage": 3, "train.precision": "bf16"}),
     "tp2_sp2_zero1": ("batch2_mha", {**TP2_SP2, "zero.stage": 1}),
     "tp2_sp2_zero3": ("batch2_mha", {**TP2_SP2, "zero.stage": 3}),
     "tp2_sp2_zero1_bf16": ("batch2_mha_bf16", {**TP2_SP2, "zero.stage": 1, "train.precision": "bf16"}),

@@ -5,7 +5,7 @@
   layers inside each stage, 1F1B and GPipe) on 4, and dp 2 x tp 2 x pp 2 on 8, give the losses of one
   process on the same global batch to a relative 1e-5; GPipe's equal 1F1B's bitwise (same
   accumulation order).
-- bf16 with ZeRO 1 trains under pp 2 and tp 2 x pp 2, following one bf16 process to 1e-3.
+- bf16 with ZeRO 1 trains under pp 2, tp 2 x pp 2 and dp 2 x tp 2 x pp 2, following one bf16 process to 1e-3.
 - A NaN loss on the first stage (which computes no loss itself) skips that update on every rank.
 - Through the command line: SIGKILL mid-run and `resume` under `--pp 2` (and tp 2 x pp 2) give every
   step's loss, lr and grad norm bitwise equal to the uninterrupted run's; resuming with another
@@ -149,7 +149,13 @@ def trajectories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out.update(
         launch(_train, 4, {**{n: f for n, (_, f) in FOUR.items()}, "tp2_pp2_bf16": {**PP2, **TP2, **BF16}})
     )
-    out.update(launch(_train_and_measure, 8, {n: f for n, (_, f) in EIGHT.items()}))
+    out.update(
+        launch(
+            _train_and_measure,
+            8,
+            {**{n: f for n, (_, f) in EIGHT.items()}, "dp2_tp2_pp2_bf16": {**PP2, **TP2, **BF16}},
+        )
+    )
     return out
 
 
@@ -193,7 +199,7 @@ def test_the_references_differ_where_the_model_or_data_does(trajectories: dict[s
     assert _rel_diff(trajectories["batch8_docs"], trajectories["batch8"]) > 1e-4
 
 
-@pytest.mark.parametrize("name", ["pp2_bf16", "tp2_pp2_bf16"])
+@pytest.mark.parametrize("name", ["pp2_bf16", "tp2_pp2_bf16", "dp2_tp2_pp2_bf16"])
 def test_bf16_zero1_pipeline_trains(trajectories: dict[str, Any], name: str) -> None:
     got = trajectories[name]
     assert len(got) == BF16["train.steps"] and all(math.isfinite(x) for x in got)
