@@ -93,6 +93,12 @@ def _last_step(run_dir: Path) -> int:
     return max((r["step"] for r in records if "loss" in r), default=0)
 
 
+def _venv_behind_a_symlink(tmp: Path) -> Path:
+    link = tmp / "venv-link"
+    link.symlink_to(Path(sys.executable).parent.parent)
+    return link
+
+
 @pytest.fixture(scope="module")
 def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     tmp = tmp_path_factory.mktemp("multinode")
@@ -108,11 +114,13 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
             nodes.env(run_env(faults=f"hang@1:{HANG_STEP}", WANDB_API_KEY=FAKE_SECRET)),
         ),
         # Far too long to finish: stopped with SIGTERM to the command the user started, as a preemption.
-        # Eager, as the other jobs: a run this long would compile its blocks by default.
+        # Eager, as the other jobs: a run this long would compile its blocks by default. Its venv is
+        # reached through a symlink, which gives the workers another command line than the launcher's.
         "stopped": start(
             _train(dirs["stopped"], *_two_nodes(hostfile, "pdsh"), "--no-compile", steps=100_000),
             tmp / "stopped.log",
             env,
+            launcher=[str(_venv_behind_a_symlink(tmp) / "bin" / "python")],
         ),
     }
     pdsh_dir = dirs["pdsh"]
@@ -199,8 +207,9 @@ def test_a_killed_worker_on_node_b_ends_the_job_naming_it_and_resume_is_exact(
 
 
 def test_sigterm_to_the_launching_command_stops_the_workers_on_every_node_after_a_save(jobs: Jobs) -> None:
-    """A preemption of the process the user started: the workers on both nodes are told over ssh,
-    finish their step, save together and exit 0 (the runner's own ssh sessions, and output, stay up)."""
+    """A preemption of the process the user started, whose venv is behind a symlink: the workers on both
+    nodes are told over ssh (by the pids they registered), finish their step, save together and exit 0
+    (the runner's own ssh sessions, and output, stay up)."""
     output = jobs.outputs["stopped"]
     assert jobs.codes["stopped"] == 0, output[-3000:]
     last = _last_step(jobs.dirs["stopped"])
@@ -211,6 +220,7 @@ def test_sigterm_to_the_launching_command_stops_the_workers_on_every_node_after_
         _remote_worker(jobs.dirs["stopped"], rank=0) is None
         and _remote_worker(jobs.dirs["stopped"], rank=1) is None
     )
+    assert not (jobs.dirs["stopped"] / "launch" / "workers").exists()  # removed when the launch ended
 
 
 # ---------------------------------------------------------------- refused before any worker starts

@@ -95,7 +95,10 @@ def relaunch(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
         if cfg.launch.launcher in nodes.SSH_RUNNERS:
             used = list(hosts)[: cfg.launch.nodes]
             stop = functools.partial(
-                nodes.stop_workers, used, [sys.executable, "-u", "-m", "llmtrain", *args]
+                nodes.stop_workers,
+                used,
+                [sys.executable, "-u", "-m", "llmtrain", *args],
+                files.env_file.parent,
             )
         return _run_runner(deepspeed_command(cfg, args, files, files.master_port), stop)
 

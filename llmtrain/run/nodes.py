@@ -38,6 +38,7 @@ from llmtrain.parallel.node import NODE_ENV
 
 HOSTFILE = "hostfile"
 ENV_FILE = "env.json"
+WORKERS_DIR = "workers"  # RUN_DIR/launch/workers/rank-N.json: the node and pid of each worker
 
 # The program DeepSpeed looks for before it starts each runner.
 RUNNER_PROGRAMS = {
@@ -223,6 +224,7 @@ def launch_files(launch: LaunchConfig, hosts: dict[str, int], run_dir: Path) -> 
     }
     env_file = folder / ENV_FILE
     env_file.unlink(missing_ok=True)
+    shutil.rmtree(folder / WORKERS_DIR, ignore_errors=True)  # an earlier launch's workers
     descriptor = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "w") as out:
         json.dump(handoff, out, indent=2)
@@ -230,6 +232,7 @@ def launch_files(launch: LaunchConfig, hosts: dict[str, int], run_dir: Path) -> 
         yield LaunchFiles(hostfile=hostfile, env_file=env_file, master_addr=addr, master_port=port)
     finally:
         env_file.unlink(missing_ok=True)
+        shutil.rmtree(folder / WORKERS_DIR, ignore_errors=True)
 
 
 def runner_args(launch: LaunchConfig) -> list[str]:
@@ -246,22 +249,52 @@ def runner_args(launch: LaunchConfig) -> list[str]:
 _ERE_SPECIAL = re.compile(r"([.\[\]()*+?{}|^$\\])")
 
 
-def stop_workers(hosts: list[str], worker_command: list[str]) -> None:
+def stop_workers(hosts: list[str], worker_command: list[str], launch_dir: Path) -> None:
     """SIGTERM to this launch's workers on every node, over ssh, as a preemption of the launching
     process asks for. Signalling the runner instead would end its ssh sessions, and with them the
     workers (SIGHUP) before they save; this way the sessions stay open, every worker finishes its step,
-    all save together and exit 0, and the runner sees them end as after the last step. The pattern is
-    the workers' whole command line (the interpreter first, which no ssh client's or shell's is), so
-    nothing else on a node matches; the ssh calls run in the background."""
+    all save together and exit 0, and the runner sees them end as after the last step.
+
+    Each worker is signalled by the pid it registered (`register_worker`), whatever path its interpreter
+    was started by (a venv behind a symlink gives the workers another command line than this one's);
+    a pid is signalled only while it is still an llmtrain process. A worker not registered yet is found
+    by its command line, the interpreter first (which no ssh client's or shell's is), so nothing else on
+    a node matches. The ssh calls run in the background."""
     pattern = "^" + _ERE_SPECIAL.sub(r"\\\1", " ".join(worker_command)) + "$"
+    registered = _registered_pids(launch_dir / WORKERS_DIR)
     for host in hosts:
+        pids = " ".join(str(pid) for pid in registered.get(host, []))
+        by_pid = (
+            f"for p in {pids}; do grep -qa llmtrain /proc/$p/cmdline 2>/dev/null && kill -TERM $p; done; "
+            if pids
+            else ""
+        )
         subprocess.Popen(
-            ["ssh", "-o", "BatchMode=yes", host, f"pkill -TERM -f -- {shlex.quote(pattern)}"],
+            ["ssh", "-o", "BatchMode=yes", host, f"{by_pid}pkill -TERM -f -- {shlex.quote(pattern)}"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def _registered_pids(folder: Path) -> dict[str, list[int]]:
+    """node -> the pids its workers registered."""
+    found: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("rank-*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            found.setdefault(str(entry["node"]), []).append(int(entry["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not ours: its worker is found by its command line
+    return found
+
+
+def register_worker(launch_dir: Path, rank: int, node: str) -> None:
+    """This worker's node and pid, for `stop_workers` (RUN_DIR is on a filesystem every node shares)."""
+    folder = launch_dir / WORKERS_DIR
+    folder.mkdir(exist_ok=True)
+    write_atomic(folder / f"rank-{rank}.json", json.dumps({"node": node, "pid": os.getpid()}))
 
 
 # ---------------------------------------------------------------- in each worker, first thing
@@ -294,6 +327,7 @@ def adopt_launch_environment(env_file: Path) -> None:
     rank, per_node = int(os.environ.get("RANK", "0")), int(handoff["processes_per_node"])
     nodes = handoff["nodes"]
     os.environ[NODE_ENV] = nodes[min(rank // per_node, len(nodes) - 1)]
+    register_worker(env_file.parent, rank, os.environ[NODE_ENV])
 
 
 def _adopt_mpi_rank(handoff: dict) -> None:
