@@ -21,8 +21,12 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 NODES = {"node-a": "127.0.0.2", "node-b": "127.0.0.3"}
 PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "pdsh": "pdsh", "mpirun": "openmpi-bin"}
@@ -33,6 +37,18 @@ SSHD = "/usr/sbin/sshd"
 
 class Unavailable(Exception):
     """The cluster cannot be had on this machine; the message says why (a skip reason)."""
+
+
+def running_or_skip(started: AbstractContextManager[T], what: str) -> Iterator[T]:
+    """A module fixture's body (`yield from`): the cluster `started` brings up while the tests use it,
+    or the tests skipped with the reason it cannot run here."""
+    import pytest
+
+    try:
+        with started as found:
+            yield found
+    except Unavailable as why:
+        pytest.skip(f"no loopback {what} here: {why}")
 
 
 @dataclass

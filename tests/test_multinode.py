@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cluster import NODES, Cluster, Unavailable, cluster
+from cluster import NODES, Cluster, cluster, running_or_skip
 from dist import free_port
 from runkit import BASE_FLAGS, Run, kill_tree, latest, run_env, start, wait_for
 
@@ -43,11 +43,7 @@ FAKE_SECRET = "llmtrainfake" + "0123456789abcdef" * 2
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    try:
-        with cluster(tmp_path_factory.mktemp("cluster")) as found:
-            yield found
-    except Unavailable as why:
-        pytest.skip(f"no loopback cluster here: {why}")
+    yield from running_or_skip(cluster(tmp_path_factory.mktemp("cluster")), "cluster")
 
 
 def _train(run_dir: Path, *launch: str, steps: int = STEPS) -> list[str]:

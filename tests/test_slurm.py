@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cluster import Unavailable
+from cluster import running_or_skip
 from runkit import (
     BASE_FLAGS,
     assert_resumed_bitwise,
@@ -52,11 +52,7 @@ JOB_TIMEOUT = 240.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    try:
-        with slurm_cluster(tmp_path_factory.mktemp("slurm")) as found:
-            yield found
-    except Unavailable as why:
-        pytest.skip(f"no loopback Slurm cluster here: {why}")
+    yield from running_or_skip(slurm_cluster(tmp_path_factory.mktemp("slurm")), "Slurm cluster")
 
 
 def _train(run_dir: Path, steps: int, *extra: str) -> list[str]:
