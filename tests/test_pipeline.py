@@ -114,7 +114,7 @@ def _train_and_measure(
     rank: int, world_size: int, root: str, scenarios: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The 3D trajectories, then each precision's dp 2 x tp 2 x pp 2 engine's model-state bytes as its
-    second update starts (test_memory_calibration's measurement): (stage, bytes) of every rank."""
+    second reduction starts (test_memory_calibration's measurement): (stage, bytes) of every rank."""
     import torch
     import torch.distributed as dist
     from test_memory_calibration import _held_before_second_reduction
