@@ -213,7 +213,8 @@ def measure_1b(compiled: bool) -> dict[str, Any]:
 
     from bench.bench_train import LlmtrainRunner, Setup, _config, random_batches
     from llmtrain.memory import estimate, setup_from_config
-    from llmtrain.train.metrics import flops_per_token, peak_flops
+    from llmtrain.planning.flops import flops_per_token
+    from llmtrain.train.metrics import peak_flops
 
     setup = Setup("llmtrain", 1, "bf16", compile=compiled, preset=PRESET_1B, seq_len=SEQ_LEN_1B,
                   micro_batch=MICRO_BATCH_1B)  # fmt: skip

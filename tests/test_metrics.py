@@ -14,13 +14,12 @@ import pytest
 
 from llmtrain import config
 from llmtrain.config import ModelConfig
+from llmtrain.planning.flops import flops_per_token, matmul_parameters
 from llmtrain.presets import PRESETS
 from llmtrain.train.metrics import (
     METRICS_FILE,
     WANDB_ID_FILE,
     MetricsLogger,
-    flops_per_token,
-    matmul_parameters,
     mfu,
     peak_flops,
     peak_flops_for_name,

@@ -228,7 +228,7 @@ def test_two_nodes_of_one_process_match_one_node_of_two(jobs: dict[str, Job]) ->
 @pytest.mark.slow
 def test_mfu_counts_every_process_of_the_job_not_the_gpus_flag(jobs: dict[str, Job]) -> None:
     from llmtrain.config import load_run_config
-    from llmtrain.train.metrics import flops_per_token
+    from llmtrain.planning.flops import flops_per_token
 
     job = jobs["two_nodes"]
     assert job.codes == [0, 0], job.stderr(0)[-3000:] + job.stderr(1)[-3000:]

@@ -28,7 +28,6 @@ import string
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
@@ -36,9 +35,9 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
 from llmtrain import rundir, terminal
-from llmtrain.config import ModelConfig, TrainConfig, to_dict
+from llmtrain.config import TrainConfig, to_dict
 from llmtrain.parallel.node import output_relayed
-from llmtrain.presets import count_parameters
+from llmtrain.planning.flops import flops_per_token
 
 if TYPE_CHECKING:
     import torch
@@ -49,32 +48,6 @@ WandbMode = Literal["off", "offline", "online"]
 
 
 # ---------------------------------------------------------------- FLOPs and MFU
-
-
-def matmul_parameters(model_cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul: all of them except the input embedding table.
-
-    The input embedding is a lookup, not a matmul; the output projection is a matmul. With tied
-    embeddings the shared matrix is counted once, as the output projection. (This is torchtitan's
-    convention. RMSNorm weights, under 0.01% of the total, are included.)
-    """
-    total = count_parameters(**asdict(model_cfg))
-    input_embedding = 0 if model_cfg.tie_word_embeddings else model_cfg.vocab_size * model_cfg.hidden_size
-    return total - input_embedding
-
-
-def flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token, forward and backward: 6·N + 12·L·h·s (PaLM, appendix B).
-
-    N = `matmul_parameters` (every parameter except the input embedding table), so 6·N counts the
-    weight matmuls (2 FLOPs per multiply-add, forward 1x + backward 2x); 12·L·h·s counts attention
-    scores and the weighted sum of values (L layers, h = heads x head_dim, s = sequence length), without
-    halving for the causal mask. Activation recomputation is not counted: MFU measures useful work.
-    """
-    n = matmul_parameters(model_cfg)
-    layers = model_cfg.num_hidden_layers
-    width = model_cfg.num_attention_heads * model_cfg.head_width
-    return float(6 * n + 12 * layers * width * seq_len)
 
 
 # Dense (no 2:4 sparsity) BF16 tensor-core peak FLOP/s per device, from the vendors' datasheets.

@@ -1,0 +1,215 @@
+"""The time model against published runs of other trainers and this repository's own GPU run, and the
+properties a step's terms must have (llmtrain.planning.timing, llmtrain.planning.hardware)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmtrain import memory
+from llmtrain.config import resolve
+from llmtrain.errors import ConfigError
+from llmtrain.planning.flops import flops_per_token
+from llmtrain.planning.hardware import CLUSTERS, Cluster, builtin_cluster, cluster_from_dict, load_cluster
+from llmtrain.planning.timing import StepTime, step_time
+
+ROOT = Path(__file__).resolve().parent.parent
+# Llama 3 8B and 70B as torchtitan trains them (seq_len 8192, vocabulary 128,256).
+LLAMA3_8B = {
+    "model.hidden_size": 4096,
+    "model.intermediate_size": 14336,
+    "model.num_hidden_layers": 32,
+    "model.num_attention_heads": 32,
+    "model.num_key_value_heads": 8,
+    "model.vocab_size": 128256,
+    "model.max_position_embeddings": 8192,
+}
+LLAMA3_70B = {
+    **LLAMA3_8B,
+    "model.hidden_size": 8192,
+    "model.intermediate_size": 28672,
+    "model.num_hidden_layers": 80,
+    "model.num_attention_heads": 64,
+}
+FSDP_BF16 = {"train.engine": "fsdp2", "zero.stage": 3, "train.precision": "bf16", "train.seq_len": 8192}
+SELECTIVE = {"train.activation_checkpointing": "selective", "train.checkpoint_every_k": 2}
+# The published figures: tokens/s per GPU, as each source reports them.
+TORCHTITAN = "torchtitan docs/performance.md"
+PUBLISHED = [
+    pytest.param(
+        "a100-80gb", 8, {**LLAMA3_8B, **FSDP_BF16, **SELECTIVE, "train.micro_batch": 1}, 2904,
+        id=f"{TORCHTITAN}: Llama 3 8B, 64 A100 80GB, FSDP, selective layer checkpointing",
+    ),
+    pytest.param(
+        "a100-80gb", 8, {**LLAMA3_70B, **FSDP_BF16, "train.micro_batch": 1,
+                         "train.activation_checkpointing": "full"}, 331,
+        id=f"{TORCHTITAN}: Llama 3 70B, 64 A100 80GB, FSDP, full checkpointing",
+    ),
+    pytest.param(
+        "torchtitan-h100", 1, {**LLAMA3_8B, **FSDP_BF16, **SELECTIVE, "train.micro_batch": 2}, 5762,
+        id=f"{TORCHTITAN}: Llama 3.1 8B, 8 H100, FSDP, selective checkpointing",
+    ),
+]  # fmt: skip
+
+
+def _setup(**flags: Any) -> memory.Setup:
+    return memory.setup_from_config(resolve(flags=flags))
+
+
+def _cluster(name: str) -> Cluster:
+    """A built-in cluster, or torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (400 Gb/s per GPU across
+    hosts, as the built-in)."""
+    if name == "torchtitan-h100":
+        base = CLUSTERS["h100"]
+        return replace(base, device=replace(base.device, memory_bandwidth=2.4e12, memory_bytes=96 << 30))
+    return CLUSTERS[name]
+
+
+@pytest.mark.parametrize(("cluster", "nodes", "flags", "published"), PUBLISHED)
+def test_predicted_tokens_per_gpu_within_1_5x_of_published_runs(
+    cluster: str, nodes: int, flags: dict[str, Any], published: float
+) -> None:
+    setup = _setup(**flags, **{"launch.gpus": 8, "launch.nodes": nodes})
+    predicted = step_time(setup, _cluster(cluster).with_size(nodes=nodes)).tokens_per_second_per_device
+    assert 1 / 1.5 <= predicted / published <= 1.5, (predicted, published)
+
+
+@pytest.mark.parametrize("run", ["eager", "compile"])
+def test_predicted_step_within_1_5x_of_the_measured_h200_run(run: str) -> None:
+    measured = json.loads((ROOT / "bench" / "results" / "gpu.json").read_text())["throughput_1b"][run]
+    setup = _setup(
+        preset=measured["preset"],
+        **{
+            "zero.stage": measured["zero"],
+            "train.precision": measured["precision"],
+            "train.micro_batch": measured["micro_batch"],
+            "train.seq_len": measured["seq_len"],
+        },
+    )
+    predicted = step_time(setup, CLUSTERS["h200"].with_size(devices_per_node=1))
+    assert 1 / 1.5 <= predicted.seconds / measured["median_step_s"] <= 1.5
+    assert predicted.mfu == pytest.approx(
+        predicted.tokens_per_second * measured["flops_per_token"] / measured["peak_bf16_flops"]
+    )
+
+
+# ---------------------------------------------------------------- what a step is made of
+
+
+def _step(cluster: Cluster | None = None, **flags: Any) -> StepTime:
+    setup = _setup(
+        preset="7b", **{"train.precision": "bf16", "train.seq_len": 4096, "launch.gpus": 8, **flags}
+    )
+    nodes = setup.cfg.launch.nodes
+    return step_time(setup, (cluster or CLUSTERS["h100"]).with_size(setup.cfg.launch.gpus, nodes))
+
+
+def _term(step: StepTime, name: str) -> float:
+    return sum(t.seconds for t in step.terms if t.name == name)
+
+
+def test_the_terms_add_up_and_the_rates_follow_from_the_step() -> None:
+    step = _step(**{"zero.stage": 3, "train.micro_batch": 2, "train.global_batch": 64})
+    assert step.seconds == pytest.approx(sum(t.seconds for t in step.terms))
+    assert step.tokens_per_step == 64 * step.setup.cfg.train.seq_len
+    assert step.tokens_per_second_per_device == pytest.approx(step.tokens_per_step / step.seconds / 8)
+    per_token = flops_per_token(step.setup.cfg.model, step.setup.cfg.train.seq_len)
+    assert step.mfu == pytest.approx(step.tokens_per_second * per_token / (8 * 989e12))
+    assert step.dominant.name == "compute"
+
+
+def test_zero3_over_nodes_pays_for_the_nic_that_a_node_of_nvlink_does_not() -> None:
+    inside = _step(**{"zero.stage": 3, "train.micro_batch": 1})
+    # One GPU per node: the same ZeRO group of 8, every ring step over one NIC.
+    across = _step(**{"zero.stage": 3, "train.micro_batch": 1, "launch.gpus": 1, "launch.nodes": 8})
+    assert _term(across, "data-parallel comm") > 10 * _term(inside, "data-parallel comm")
+    assert _term(across, "compute") == pytest.approx(_term(inside, "compute"))
+
+
+def test_more_micro_batches_shrink_the_pipeline_bubble_share() -> None:
+    flags = {"zero.stage": 1, "parallel.pp": 4, "train.micro_batch": 1}
+    few, many = _step(**flags, **{"train.global_batch": 8}), _step(**flags, **{"train.global_batch": 64})
+    share = [_term(s, "pipeline bubble") / s.seconds for s in (few, many)]
+    assert share[0] > 3 * share[1] > 0
+    assert _term(few, "pipeline sends") > 0
+
+
+def test_tensor_parallelism_across_nodes_is_slower_than_inside_one() -> None:
+    flags = {"zero.stage": 1, "parallel.tp": 2, "train.micro_batch": 1}
+    inside = _step(**flags)
+    across = _step(**flags, **{"launch.gpus": 1, "launch.nodes": 8})
+    assert 0 < _term(inside, "tp all-reduce") < _term(across, "tp all-reduce") / 5
+
+
+def test_recomputation_costs_compute_and_ulysses_pays_its_all_to_alls() -> None:
+    plain = _step(**{"zero.stage": 1, "train.micro_batch": 1})
+    full = _step(**{"zero.stage": 1, "train.micro_batch": 1, "train.activation_checkpointing": "full"})
+    assert 1.2 < _term(full, "compute") / _term(plain, "compute") < 4 / 3 + 0.01  # + one forward of 3
+    sp = _step(**{"zero.stage": 1, "train.micro_batch": 1, "parallel.sp": 2})
+    assert _term(sp, "sp all-to-all") > 0
+
+
+def test_offload_moves_the_step_to_the_host() -> None:
+    on_device = _step(**{"zero.stage": 3, "train.micro_batch": 1})
+    cpu = _step(**{"zero.stage": 3, "train.micro_batch": 1, "zero.offload": "cpu"})
+    assert _term(on_device, "optimizer step") > 0 and _term(cpu, "optimizer step") == 0
+    # 7B over 8 ranks, each node's CPU updates all 7B at 2e9 parameters/s.
+    assert _term(cpu, "cpu adam") == pytest.approx(cpu.setup.params / 2e9, rel=0.01)
+    assert _term(cpu, "offload transfers") > 0
+
+
+# ---------------------------------------------------------------- clusters as data
+
+
+def test_a_cluster_file_overrides_a_built_in_and_names_itself_as_the_source(tmp_path: Path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("base: h100\nnodes: 4\ninter_node_bandwidth: 25e9\n")
+    cluster = load_cluster(path)
+    assert cluster.nodes == 4 and cluster.world_size == 32
+    assert cluster.inter_node_bandwidth == 25e9
+    assert cluster.sources["inter_node_bandwidth"] == f"--cluster {path}"
+    assert cluster.sources["intra_node_bandwidth"] == CLUSTERS["h100"].sources["intra_node_bandwidth"]
+    assert cluster.device == CLUSTERS["h100"].device
+
+
+def test_a_cluster_file_may_describe_its_own_device(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.yaml"
+    path.write_text(
+        "devices_per_node: 2\n"
+        "device: {name: this CPU, peak_flops: {fp32: 1.5e11}, memory_bytes: 24e9, memory_bandwidth: 2e10}\n"
+    )
+    cluster = load_cluster(path)
+    assert cluster.device.peak("fp32") == 1.5e11 and cluster.device.memory_bytes == 24_000_000_000
+    with pytest.raises(
+        ConfigError, match=r"^--precision: this CPU has no peak FLOP/s for bf16; it has fp32$"
+    ):
+        cluster.device.peak("bf16")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"base": "h100", "nodez": 2}, r"unknown field 'nodez'"),
+        ({"base": "h100", "nodes": -1}, r"nodes must be a positive number, got -1"),
+        ({"device": "h100"}, r"give devices_per_node"),
+        ({"base": "tpu"}, r"no built-in device 'tpu'"),
+        ({"devices_per_node": 8, "device": {"name": "x"}}, r"device: missing memory_bandwidth, memory_bytes"),
+    ],
+)
+def test_a_bad_cluster_is_one_line_naming_the_field(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        cluster_from_dict(dict(data), "--cluster c.yaml")
+    assert "\n" not in str(raised.value)
+
+
+def test_every_built_in_number_has_a_source() -> None:
+    for name, cluster in CLUSTERS.items():
+        assert builtin_cluster(name.upper()) is cluster
+        assert {"intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth"} <= set(cluster.sources)
+        assert {"peak_flops", "memory_bytes", "memory_bandwidth", "matmul_efficiency"} <= set(
+            cluster.device.sources
+        )
