@@ -310,6 +310,83 @@ def estimate_memory_cmd(
         memory.render(doc)
 
 
+@app.command("plan")
+@with_flags(
+    "--preset",
+    "--init-from",
+    "--engine",
+    "--zero",
+    "--offload",
+    "--tp",
+    "--sp",
+    "--pp",
+    "--pp-schedule",
+    "--pp-partition",
+    "--precision",
+    "--micro-batch",
+    "--global-batch",
+    "--seq-len",
+    "--activation-checkpointing",
+    "--gpus",
+    "--nodes",
+)
+def plan_cmd(
+    cfg_args: dict[str, Any],
+    gpu: Annotated[
+        str | None,
+        typer.Option("--gpu", help="A built-in device and its 8-GPU node: a100-40gb, a100-80gb, h100, h200."),
+    ] = None,
+    cluster_file: Annotated[
+        Path | None,
+        typer.Option("--cluster", help="A YAML file describing your cluster (base: h100, nodes: 4, ...)."),
+    ] = None,
+    top: Annotated[int, typer.Option("--top", help="How many layouts to print.", min=1)] = 5,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the rows, term by term, as JSON.")] = False,
+) -> None:
+    """Which layout, and how fast: every layout that fits, ranked by predicted tokens/s. Flags such as
+    --zero or --tp pin that part of the layout; --gpus and --nodes default to the cluster's."""
+    from llmtrain import memory
+    from llmtrain.planning import hardware, plan, report
+    from llmtrain.units import human
+
+    if (gpu is None) == (cluster_file is None):
+        raise ConfigError("--gpu: give a built-in device (--gpu h100) or --cluster FILE, one of them")
+    cluster = hardware.load_cluster(cluster_file) if cluster_file else hardware.builtin_cluster(str(gpu))
+    given = {key for key, value in cfg_args["flags"].items() if value is not None}
+    given |= set(config_mod.parse_set(cfg_args["sets"]))
+    # The request as a config: the cluster's node size and count unless given, and one sample per
+    # micro-batch unless pinned (any global batch resolves; the plan chooses the micro-batch).
+    defaults = {
+        "launch.gpus": cluster.devices_per_node,
+        "launch.nodes": cluster.nodes,
+        "train.micro_batch": 1,
+    }
+    flags = {key: value for key, value in cfg_args["flags"].items() if value is not None}
+    cfg_args = {**cfg_args, "flags": {**{k: str(v) for k, v in defaults.items() if k not in given}, **flags}}
+    setup = memory.setup_from_config(resolve_config(cfg_args))
+    cluster = cluster.with_size(nodes=setup.cfg.launch.nodes)
+    plan.check_request(setup, cluster)
+    pinned = {key: config_mod.get(setup.cfg, key) for key in plan.LAYOUT_KEYS if key in given}
+    rows = plan.plan(setup, cluster, pinned)
+    if not rows:
+        raise ConfigError(
+            f"no layout fits {setup.world_size} x {cluster.device.name} "
+            f"({human(cluster.device.memory_bytes)} each); smallest change that fits: "
+            f"{plan.smallest_change(setup, cluster, pinned)}"
+        )
+    doc = report.document(rows, cluster, top, cfg_args)
+    if json_out:
+        print(json.dumps(doc, indent=2))
+        return
+    c = setup.cfg
+    model = c.preset if c.train.init_from is None else c.train.init_from
+    report.render(
+        doc,
+        f"{model}: global batch {c.global_batch} x {c.train.seq_len} tokens, {setup.precision}, "
+        f"{c.launch.gpus} x {cluster.device.name} per node x {c.launch.nodes} node(s)",
+    )
+
+
 def _lock_wait_option(default: str) -> Any:
     help_text = f"Seconds to wait for another llmtrain process using the run directory to end ({default})."
     return typer.Option("--lock-wait", help=help_text, metavar="SECONDS", show_default=False)

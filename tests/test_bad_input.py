@@ -252,6 +252,18 @@ CASES: dict[str, Case] = {
     ),
     "estimate-size": Case("estimate-memory --gpu-memory 80XB", "--gpu-memory: cannot read '80XB' as a size"),
     "estimate-params": Case("estimate-memory --params abc", "--params: expected a number such as 7e9"),
+    "plan-no-cluster": Case(
+        "plan --preset 7b", "--gpu: give a built-in device (--gpu h100) or --cluster FILE"
+    ),
+    "plan-unknown-gpu": Case("plan --gpu tpu-v5", "--gpu: no built-in device 'tpu-v5'"),
+    "plan-gpus-over-node": Case(
+        "plan --gpu h100 --gpus 16", "--gpus: 16 per node, but a H100 SXM node has 8"
+    ),
+    "plan-cluster-missing": Case("plan --cluster {w}/none.yaml", "--cluster {w}/none.yaml: cannot read"),
+    "plan-nothing-fits": Case(
+        "plan --preset 70b --gpu a100-40gb --offload none --seq-len 4096 --global-batch 64",
+        "no layout fits 8 x A100 40GB (40.00 GiB each); smallest change that fits: --nodes 8 (64 GPUs)",
+    ),
     "prepare-source-missing": Case(
         "prepare-data {w}/missing.txt --tokenizer {w}/tok.json --out {w}/o",
         "missing.txt: file not found",
@@ -343,7 +355,16 @@ def _files_under(path: Path) -> set[Path]:
 def test_there_are_at_least_thirty_cases_across_the_verbs() -> None:
     assert len(CASES) >= 30
     verbs = {case.argv.split()[0] for case in CASES.values()}
-    assert {"train", "resume", "config", "estimate-memory", "prepare-data", "tokenizer", "plot"} <= verbs
+    assert {
+        "train",
+        "resume",
+        "config",
+        "estimate-memory",
+        "plan",
+        "prepare-data",
+        "tokenizer",
+        "plot",
+    } <= verbs
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -19,6 +19,7 @@ def test_every_verb_is_registered() -> None:
         "resume",
         "config",
         "estimate-memory",
+        "plan",
         "prepare-data",
         "tokenizer",
         "eval",

@@ -179,7 +179,7 @@ def test_a_cluster_file_overrides_a_built_in_and_names_itself_as_the_source(tmp_
 def test_a_cluster_file_may_describe_its_own_device(tmp_path: Path) -> None:
     path = tmp_path / "cpu.yaml"
     path.write_text(
-        "devices_per_node: 2\n"
+        "devices_per_node: 2\nintra_node_bandwidth: 5e9\ninter_node_bandwidth: 1e9\nhost_bandwidth: 2e10\n"
         "device: {name: this CPU, peak_flops: {fp32: 1.5e11}, memory_bytes: 24e9, memory_bandwidth: 2e10}\n"
     )
     cluster = load_cluster(path)
@@ -195,7 +195,10 @@ def test_a_cluster_file_may_describe_its_own_device(tmp_path: Path) -> None:
     [
         ({"base": "h100", "nodez": 2}, r"unknown field 'nodez'"),
         ({"base": "h100", "nodes": -1}, r"nodes must be a positive number, got -1"),
-        ({"device": "h100"}, r"give devices_per_node"),
+        (
+            {"device": "h100", "devices_per_node": 8},
+            r"give intra_node_bandwidth, inter_node_bandwidth, host_",
+        ),
         ({"base": "tpu"}, r"no built-in device 'tpu'"),
         ({"devices_per_node": 8, "device": {"name": "x"}}, r"device: missing memory_bandwidth, memory_bytes"),
     ],

@@ -36,8 +36,9 @@ Import-light on purpose: no torch, no DeepSpeed, no model; estimating a 70B mode
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -214,19 +215,30 @@ class Setup:
         return section
 
     def with_choice(
-        self, stage: int, offload: str, micro_batch: int, checkpointing: str, tp: int, sp: int, pp: int = 1
+        self,
+        stage: int,
+        offload: str,
+        micro_batch: int,
+        checkpointing: str,
+        tp: int,
+        sp: int,
+        pp: int = 1,
+        engine: str | None = None,
+        keep_batch: bool = False,
     ) -> Setup:
-        """This setup under another layout. A pipeline keeps this setup's global batch: its micro-batches
-        per step (m) set both the activations it holds and its bubble, and comparing layouts means
-        training the same batch (the caller checks it divides). Without one, accumulation costs no
-        memory, so the global batch is left to its default."""
+        """This setup under another layout (and `engine`, when given). A pipeline keeps this setup's
+        global batch: its micro-batches per step (m) set both the activations it holds and its bubble,
+        and comparing layouts means training the same batch (the caller checks it divides). Without one,
+        accumulation costs no memory, so the global batch is left to its default, unless `keep_batch`
+        (comparing step times, which accumulation sets)."""
         cfg = copy.deepcopy(self.cfg)
+        cfg.train.engine = engine or cfg.train.engine  # type: ignore[assignment]
         cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]
         cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.pp = tp, sp, pp
         if offload == "nvme" and not cfg.zero.nvme_path:
             cfg.zero.nvme_path = "/local_nvme"
         cfg.train.micro_batch = micro_batch
-        cfg.train.global_batch = self.cfg.global_batch if pp > 1 else None
+        cfg.train.global_batch = self.cfg.global_batch if pp > 1 or keep_batch else None
         cfg.train.activation_checkpointing = checkpointing  # type: ignore[assignment]
         return Setup(cfg, self.params, self.shape_known)
 
@@ -264,7 +276,14 @@ def parameter_tensors(model: ModelConfig, tp: int = 1) -> list[int]:
     one rank holds under tensor parallelism of degree `tp`, as parallel.partition splits them: each
     layer's q, k, v, o, gate, up and down matrices, the embedding and lm_head into tp slices; norms
     whole."""
-    return [spec.per_rank(tp) for spec in partition.tensors(model)]
+    return list(_parameter_tensors(astuple(model), tp))
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_tensors(shape: tuple[Any, ...], tp: int) -> tuple[int, ...]:
+    """parameter_tensors of the model with these ModelConfig fields (a plan asks for the same few
+    shapes thousands of times)."""
+    return tuple(spec.per_rank(tp) for spec in partition.tensors(ModelConfig(*shape)))
 
 
 # ---------------------------------------------------------------- model states (per rank)

@@ -44,6 +44,7 @@ def stage_spans(model: ModelConfig, pp: int, method: str, tp: int = 1) -> list[S
     layers = pipeline_layers(model)
     bounds = stage_bounds(layers, pp, method)
     block_per_rank = partition.block_parameters(model, tp)
+    largest = {kind: _largest_tensor(model, kind, tp) for kind in {layer.kind for layer in layers}}
     spans = []
     blocks_before = 0
     for s in range(pp):
@@ -57,7 +58,7 @@ def stage_spans(model: ModelConfig, pp: int, method: str, tp: int = 1) -> list[S
                 embedding=any(layer.kind == EMBED for layer in held),
                 head=any(layer.kind == HEAD for layer in held),
                 parameters=sum(_per_rank(layer, block_per_rank, tp) for layer in held),
-                largest_tensor=max(_largest_tensor(model, layer.kind, tp) for layer in held),
+                largest_tensor=max(largest[layer.kind] for layer in held),
             )
         )
         blocks_before += blocks

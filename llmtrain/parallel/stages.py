@@ -47,6 +47,8 @@ def stage_bounds(layers: list[PipelineLayer], pp: int, method: str) -> list[int]
     blocks = [i for i, layer in enumerate(layers) if layer.kind == "block"]
     if not 1 <= pp <= len(blocks):
         raise ValueError(f"{pp} stages for {len(blocks)} blocks")
+    if pp == 1:
+        return [0, len(layers)]
     if method == "blocks":
         per, extra = divmod(len(blocks), pp)
         sizes = [per + (1 if s < extra else 0) for s in range(pp)]

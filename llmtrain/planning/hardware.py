@@ -182,6 +182,8 @@ def builtin_cluster(name: str) -> Cluster:
 
 _DEVICE_FIELDS = {f.name for f in fields(Device)} - {"sources"}
 _CLUSTER_FIELDS = {f.name for f in fields(Cluster)} - {"device", "sources"}
+# What a cluster without a base must say: the links every step's time depends on.
+_OWN_CLUSTER_FIELDS = ("devices_per_node", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth")
 
 
 def load_cluster(path: Path) -> Cluster:
@@ -193,11 +195,13 @@ def load_cluster(path: Path) -> Cluster:
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as err:
-        raise ConfigError(f"--cluster: cannot read {path}: {err.strerror}") from None
+        raise ConfigError(f"--cluster {path}: cannot read it ({err.strerror}); give a YAML file") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"--cluster: {path} is not YAML: {str(err).splitlines()[0]}") from None
+        raise ConfigError(f"--cluster {path}: not YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--cluster: {path} must be a mapping of cluster fields")
+        raise ConfigError(
+            f"--cluster {path}: must be a mapping of cluster fields (base: h100, nodes: 4, ...)"
+        )
     return cluster_from_dict(data, f"--cluster {path}")
 
 
@@ -214,8 +218,9 @@ def cluster_from_dict(data: dict[str, Any], where: str) -> Cluster:
     sources = {**(base.sources if base else {}), **{key: where for key in values}}
     if base is not None:
         return replace(base, device=device, sources=sources, **values)
-    if "devices_per_node" not in values:
-        raise ConfigError(f"{where}: give devices_per_node (or base: one of {', '.join(CLUSTERS)})")
+    missing = [key for key in _OWN_CLUSTER_FIELDS if key not in values]
+    if missing:
+        raise ConfigError(f"{where}: give {', '.join(missing)} (or base: one of {', '.join(CLUSTERS)})")
     return Cluster(device=device, sources=sources, **values)
 
 

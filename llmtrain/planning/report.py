@@ -1,0 +1,139 @@
+"""`llmtrain plan`'s output: the --json document and its table, and each row as the `llmtrain train`
+command line that runs it."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from llmtrain.flags import flag_for
+from llmtrain.planning.hardware import Cluster
+from llmtrain.planning.plan import LAYOUT_KEYS, PlanRow
+from llmtrain.units import human
+
+# What the command line of a row states beside the layout: the request the rows share.
+REQUEST_KEYS = ("train.global_batch", "train.seq_len", "train.precision", "launch.gpus", "launch.nodes")
+
+
+def train_command(row: PlanRow, cfg_args: dict[str, Any]) -> str:
+    """`llmtrain train ...` for this row: the user's own model and data arguments, then the row's
+    layout and the request (global batch, sequence length, precision, GPUs and nodes)."""
+    chosen = set(LAYOUT_KEYS) | set(REQUEST_KEYS)
+    words = ["llmtrain", "train"]
+    if cfg_args["config_file"] is not None:
+        words += ["--config", str(cfg_args["config_file"])]
+    for item in cfg_args["sets"]:
+        if item.split("=", 1)[0].strip() not in chosen:
+            words += ["--set", item]
+    for key, value in cfg_args["flags"].items():
+        if value is not None and key not in chosen:
+            words += _flag(key, value)
+    c = row.setup.cfg
+    values = {
+        "train.engine": c.train.engine,
+        "zero.stage": c.zero.stage,
+        "zero.offload": c.zero.offload,
+        "parallel.tp": c.parallel.tp,
+        "parallel.sp": c.parallel.sp,
+        "parallel.pp": c.parallel.pp,
+        "train.micro_batch": c.train.micro_batch,
+        "train.activation_checkpointing": c.train.activation_checkpointing,
+        "train.global_batch": c.global_batch,
+        "train.seq_len": c.train.seq_len,
+        "train.precision": c.train.precision,
+        "launch.gpus": c.launch.gpus,
+        "launch.nodes": c.launch.nodes,
+    }
+    for key, value in values.items():
+        if not (key.startswith("parallel.") and value == 1):
+            words += _flag(key, value)
+    return shlex.join(words)
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    flag = flag_for(key)
+    if isinstance(value, bool):
+        return [flag if value else f"--no-{flag[2:]}"]
+    if isinstance(value, list):
+        return [word for item in value for word in (flag, str(item))]
+    if flag.startswith("--set "):
+        return ["--set", f"{key}={value}"]
+    return [flag, str(value)]
+
+
+def document(rows: list[PlanRow], cluster: Cluster, top: int, cfg_args: dict[str, Any]) -> dict[str, Any]:
+    """The --json document: the cluster, how many layouts fit, and the top rows term by term."""
+    device = cluster.device
+    return {
+        "cluster": {
+            "device": device.name,
+            "devices_per_node": cluster.devices_per_node,
+            "nodes": cluster.nodes,
+            "memory_bytes": device.memory_bytes,
+            "sources": {**device.sources, **cluster.sources},
+        },
+        "layouts_that_fit": len(rows),
+        "rows": [_row(row, device.memory_bytes, cfg_args) for row in rows[:top]],
+    }
+
+
+def _row(row: PlanRow, memory: int, cfg_args: dict[str, Any]) -> dict[str, Any]:
+    c, time = row.setup.cfg, row.time
+    dominant = time.dominant
+    return {
+        "layout": row.setup.layout.describe(),
+        "engine": c.train.engine,
+        "zero_stage": c.zero.stage,
+        "offload": c.zero.offload,
+        "tp": c.parallel.tp,
+        "sp": c.parallel.sp,
+        "pp": c.parallel.pp,
+        "micro_batch": c.train.micro_batch,
+        "accumulation_steps": row.setup.accumulation_steps,
+        "activation_checkpointing": c.train.activation_checkpointing,
+        "gpu_peak_bytes": row.estimate.gpu_peak,
+        "gpu_headroom_bytes": memory - row.estimate.gpu_peak,
+        "step_seconds": time.seconds,
+        "tokens_per_second": time.tokens_per_second,
+        "tokens_per_second_per_device": time.tokens_per_second_per_device,
+        "mfu": time.mfu,
+        "why": f"{dominant.name} {dominant.seconds / time.seconds:.0%}",
+        "terms": [{"term": t.name, "seconds": t.seconds, "note": t.note} for t in time.terms],
+        "command": train_command(row, cfg_args),
+    }
+
+
+def render(doc: dict[str, Any], title: str) -> None:
+    """The top rows as a table, then the first row's command line."""
+    from rich.table import Table
+
+    from llmtrain.terminal import console as make_console
+
+    console = make_console()
+    table = Table(title=title)
+    columns = ("#", "layout", "engine", "offload", "micro x accum", "checkpointing", "per GPU (headroom)",
+               "step", "tokens/s/GPU", "MFU", "why")  # fmt: skip
+    for column in columns:
+        table.add_column(
+            column, justify="right" if column in ("#", "step", "tokens/s/GPU", "MFU") else "left"
+        )
+    for i, r in enumerate(doc["rows"], 1):
+        engine = (
+            f"ZeRO {r['zero_stage']}" if r["engine"] == "deepspeed" else f"FSDP2 --zero {r['zero_stage']}"
+        )
+        table.add_row(
+            str(i),
+            r["layout"],
+            engine,
+            r["offload"],
+            f"{r['micro_batch']} x {r['accumulation_steps']}",
+            r["activation_checkpointing"],
+            f"{human(r['gpu_peak_bytes'])} ({human(r['gpu_headroom_bytes'])})",
+            f"{r['step_seconds']:.3g} s",
+            f"{r['tokens_per_second_per_device']:,.0f}",
+            f"{r['mfu']:.0%}",
+            r["why"],
+        )
+    console.print(table)
+    console.print(f"{doc['layouts_that_fit']} layouts fit; run the first with:")
+    console.print(f"  {doc['rows'][0]['command']}", soft_wrap=True, highlight=False, markup=False)

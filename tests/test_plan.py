@@ -1,0 +1,103 @@
+"""`llmtrain plan`: every layout that fits, fastest first, each the train command that runs it, its
+memory the estimator's, the user's flags pinning their part (llmtrain.planning.plan, .report)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmtrain.cli import main
+
+REQUEST = ["--preset", "7b", "--seq-len", "4096", "--global-batch", "256", "--gpu", "h100", "--nodes", "2"]
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["plan", *args, "--json"]) == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+def _estimate(capsys: pytest.CaptureFixture[str], command: str) -> dict[str, Any]:
+    """estimate-memory --json for the flags of a row's `llmtrain train` command."""
+    words = shlex.split(command)
+    assert words[:2] == ["llmtrain", "train"]
+    assert main(["estimate-memory", *words[2:], "--json"]) == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def plan_7b() -> dict[str, Any]:
+    """One plan for the module (about a second); capsys is per test, so stdout is taken by hand."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", *REQUEST, "--top", "50", "--json"]) == 0
+    doc: dict[str, Any] = json.loads(out.getvalue())
+    return doc
+
+
+def test_the_rows_fit_fastest_first_and_train_the_same_tokens_per_step(plan_7b: dict[str, Any]) -> None:
+    rows = plan_7b["rows"]
+    assert plan_7b["layouts_that_fit"] >= len(rows) == 50
+    seconds = [row["step_seconds"] for row in rows]
+    assert seconds == sorted(seconds)
+    for row in rows:
+        assert 0 < row["gpu_peak_bytes"] <= plan_7b["cluster"]["memory_bytes"]
+        dp = 16 // (row["tp"] * row["sp"] * row["pp"])
+        assert row["micro_batch"] * row["accumulation_steps"] * dp == 256
+        assert row["tokens_per_second"] == pytest.approx(256 * 4096 / row["step_seconds"])
+        assert sum(term["seconds"] for term in row["terms"]) == pytest.approx(row["step_seconds"])
+    kinds = {(row["engine"], row["tp"] > 1, row["sp"] > 1, row["pp"] > 1) for row in rows}
+    assert {("deepspeed", False, False, False), ("fsdp2", False, False, False)} <= kinds
+
+
+def test_plan_and_estimate_memory_agree_on_every_shown_row(
+    plan_7b: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for row in plan_7b["rows"][:10]:
+        estimate = _estimate(capsys, row["command"])
+        assert estimate["per_gpu_peak_bytes"] == row["gpu_peak_bytes"], row["command"]
+
+
+def test_the_first_rows_command_is_the_layout_it_describes(plan_7b: dict[str, Any]) -> None:
+    first = plan_7b["rows"][0]
+    words = shlex.split(first["command"])
+    flags = dict(zip(words[2::2], words[3::2], strict=True))
+    assert flags["--preset"] == "7b" and flags["--seq-len"] == "4096" and flags["--global-batch"] == "256"
+    assert flags["--gpus"] == "8" and flags["--nodes"] == "2"
+    assert flags["--zero"] == str(first["zero_stage"]) and flags["--engine"] == first["engine"]
+    assert flags["--micro-batch"] == str(first["micro_batch"])
+
+
+def test_flags_pin_their_part_of_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _plan(capsys, *REQUEST, "--zero", "3", "--tp", "2", "--top", "20")
+    assert doc["rows"] and all(row["zero_stage"] == 3 and row["tp"] == 2 for row in doc["rows"])
+    assert all(row["engine"] == "deepspeed" for row in doc["rows"])  # FSDP2 runs no tp
+
+
+def test_a_cluster_file_plans_a_cpu_in_fp32(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "cpu.yaml"
+    path.write_text(
+        "devices_per_node: 2\nintra_node_bandwidth: 5e9\ninter_node_bandwidth: 1e9\nhost_bandwidth: 2e10\n"
+        "device: {name: this CPU, peak_flops: {fp32: 1e11}, memory_bytes: 12GiB, memory_bandwidth: 2e10}\n"
+    )
+    doc = _plan(
+        capsys, "--preset", "tiny", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8"
+    )
+    assert doc["cluster"]["sources"]["intra_node_bandwidth"] == f"--cluster {path}"
+    assert doc["rows"][0]["command"].endswith("--precision fp32 --gpus 2 --nodes 1")
+    assert main(["plan", "--preset", "tiny", "--cluster", str(path), "--precision", "bf16"]) == 2
+    assert "--precision: this CPU has no peak FLOP/s for bf16" in capsys.readouterr().err
+
+
+def test_the_table_names_the_dominant_term_and_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *REQUEST, "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s/GPU" in out and "compute" in out
+    assert "layouts fit; run the first with:\n  llmtrain train --preset 7b" in out
