@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +103,14 @@ def test_the_table_names_the_dominant_term_and_the_command(capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "tokens/s/GPU" in out and "compute" in out
     assert "layouts fit; run the first with:\n  llmtrain train --preset 7b" in out
+
+
+def test_plan_builds_no_model_and_imports_no_torch() -> None:
+    code = (
+        "import sys; from llmtrain.cli import main; "
+        "rc = main(['plan', '--preset', '7b', '--gpu', 'a100-80gb', '--top', '1']); "
+        "print('RESULT', rc, 'torch' in sys.modules, 'deepspeed' in sys.modules, 'llmtrain.model' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "RESULT 0 False False False" in out
+    assert "layouts fit; run the first with:" in out

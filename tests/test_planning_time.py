@@ -4,12 +4,12 @@ properties a step's terms must have (llmtrain.planning.timing, llmtrain.planning
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import bench_plan
 from llmtrain import memory
 from llmtrain.config import resolve
 from llmtrain.errors import ConfigError
@@ -17,84 +17,24 @@ from llmtrain.planning.flops import flops_per_token
 from llmtrain.planning.hardware import CLUSTERS, Cluster, builtin_cluster, cluster_from_dict, load_cluster
 from llmtrain.planning.timing import StepTime, step_time
 
-ROOT = Path(__file__).resolve().parent.parent
-# Llama 3 8B and 70B as torchtitan trains them (seq_len 8192, vocabulary 128,256).
-LLAMA3_8B = {
-    "model.hidden_size": 4096,
-    "model.intermediate_size": 14336,
-    "model.num_hidden_layers": 32,
-    "model.num_attention_heads": 32,
-    "model.num_key_value_heads": 8,
-    "model.vocab_size": 128256,
-    "model.max_position_embeddings": 8192,
-}
-LLAMA3_70B = {
-    **LLAMA3_8B,
-    "model.hidden_size": 8192,
-    "model.intermediate_size": 28672,
-    "model.num_hidden_layers": 80,
-    "model.num_attention_heads": 64,
-}
-FSDP_BF16 = {"train.engine": "fsdp2", "zero.stage": 3, "train.precision": "bf16", "train.seq_len": 8192}
-SELECTIVE = {"train.activation_checkpointing": "selective", "train.checkpoint_every_k": 2}
-# The published figures: tokens/s per GPU, as each source reports them.
-TORCHTITAN = "torchtitan docs/performance.md"
-PUBLISHED = [
-    pytest.param(
-        "a100-80gb", 8, {**LLAMA3_8B, **FSDP_BF16, **SELECTIVE, "train.micro_batch": 1}, 2904,
-        id=f"{TORCHTITAN}: Llama 3 8B, 64 A100 80GB, FSDP, selective layer checkpointing",
-    ),
-    pytest.param(
-        "a100-80gb", 8, {**LLAMA3_70B, **FSDP_BF16, "train.micro_batch": 1,
-                         "train.activation_checkpointing": "full"}, 331,
-        id=f"{TORCHTITAN}: Llama 3 70B, 64 A100 80GB, FSDP, full checkpointing",
-    ),
-    pytest.param(
-        "torchtitan-h100", 1, {**LLAMA3_8B, **FSDP_BF16, **SELECTIVE, "train.micro_batch": 2}, 5762,
-        id=f"{TORCHTITAN}: Llama 3.1 8B, 8 H100, FSDP, selective checkpointing",
-    ),
-]  # fmt: skip
+
+@pytest.mark.parametrize("run", bench_plan.runs(), ids=lambda run: run.name)
+def test_predicted_tokens_per_gpu_within_1_5x_of_published_and_measured_runs(run: bench_plan.Run) -> None:
+    predicted = bench_plan.predict(run)
+    assert 1 / 1.5 <= predicted.tokens_per_second_per_device / run.reported <= 1.5
+
+
+def test_the_mfu_is_the_measured_runs_definition() -> None:
+    run = next(r for r in bench_plan.runs() if r.name == "h200-1b-eager")
+    measured = json.loads(bench_plan.GPU_RESULTS.read_text())["throughput_1b"]["eager"]
+    predicted = bench_plan.predict(run)
+    assert predicted.mfu == pytest.approx(
+        predicted.tokens_per_second * measured["flops_per_token"] / measured["peak_bf16_flops"]
+    )
 
 
 def _setup(**flags: Any) -> memory.Setup:
     return memory.setup_from_config(resolve(flags=flags))
-
-
-def _cluster(name: str) -> Cluster:
-    """A built-in cluster, or torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (400 Gb/s per GPU across
-    hosts, as the built-in)."""
-    if name == "torchtitan-h100":
-        base = CLUSTERS["h100"]
-        return replace(base, device=replace(base.device, memory_bandwidth=2.4e12, memory_bytes=96 << 30))
-    return CLUSTERS[name]
-
-
-@pytest.mark.parametrize(("cluster", "nodes", "flags", "published"), PUBLISHED)
-def test_predicted_tokens_per_gpu_within_1_5x_of_published_runs(
-    cluster: str, nodes: int, flags: dict[str, Any], published: float
-) -> None:
-    setup = _setup(**flags, **{"launch.gpus": 8, "launch.nodes": nodes})
-    predicted = step_time(setup, _cluster(cluster).with_size(nodes=nodes)).tokens_per_second_per_device
-    assert 1 / 1.5 <= predicted / published <= 1.5, (predicted, published)
-
-
-@pytest.mark.parametrize("run", ["eager", "compile"])
-def test_predicted_step_within_1_5x_of_the_measured_h200_run(run: str) -> None:
-    measured = json.loads((ROOT / "bench" / "results" / "gpu.json").read_text())["throughput_1b"][run]
-    setup = _setup(
-        preset=measured["preset"],
-        **{
-            "zero.stage": measured["zero"],
-            "train.precision": measured["precision"],
-            "train.micro_batch": measured["micro_batch"],
-            "train.seq_len": measured["seq_len"],
-        },
-    )
-    predicted = step_time(setup, CLUSTERS["h200"].with_size(devices_per_node=1))
-    assert 1 / 1.5 <= predicted.seconds / measured["median_step_s"] <= 1.5
-    assert predicted.mfu == pytest.approx(
-        predicted.tokens_per_second * measured["flops_per_token"] / measured["peak_bf16_flops"]
-    )
 
 
 # ---------------------------------------------------------------- what a step is made of
@@ -216,3 +156,16 @@ def test_every_built_in_number_has_a_source() -> None:
         assert {"peak_flops", "memory_bytes", "memory_bandwidth", "matmul_efficiency"} <= set(
             cluster.device.sources
         )
+
+
+def test_bench_plan_records_every_run_with_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_plan, "OUT", tmp_path / "plan.json")
+    bench_plan.main()
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert set(doc["runs"]) == {run.name for run in bench_plan.runs()}
+    for row in doc["runs"].values():
+        ratio = row["predicted_tokens_per_s_per_gpu"] / row["reported_tokens_per_s_per_gpu"]
+        assert row["predicted_over_reported"] == pytest.approx(ratio)
+    assert {"git_sha", "git_clean", "cpu_model", "torch", "deepspeed"} <= set(doc["machine"])
