@@ -77,7 +77,7 @@ install-offline:
 	@touch $(VENV_OK)
 
 ds-configs: $(VENV_OK)
-	$(PY) -m llmtrain.engine.dsconfig_reference
+	$(PY) -m llmtrain.planning.dsconfig_reference
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -113,8 +113,9 @@ class Runner:
     """The layout's engine as `llmtrain train` builds it, stepped on the benchmark's random batches."""
 
     def __init__(self, setup: Setup) -> None:
-        from llmtrain.engine import ds_engine, dsconfig, pipeline
+        from llmtrain.engine import ds_engine, pipeline
         from llmtrain.parallel import distributed
+        from llmtrain.planning import dsconfig
 
         cfg = _config(setup)
         world = distributed.init()

@@ -31,7 +31,7 @@ Measured per setup and stage:
    the linear layers for the input gradient) are not activations and are left out; tensors that
    torch.utils.checkpoint keeps for its recomputation (the chunked loss's hidden-state rows, on the last
    stage) never pass through the hooks. The theory: stage s holds min(pp - s, m) micro-batches under 1F1B,
-   all m under GPipe (llmtrain.memory.pipeline.in_flight).
+   all m under GPipe (llmtrain.planning.memory.pipeline.in_flight).
 
 Prints a table, the GPipe / 1F1B ratios of tokens/s and activation peak, and the results as one JSON
 line, also written to bench/results/pipeline.json (--out).
@@ -55,7 +55,7 @@ from typing import Any
 
 from bench.bench_train import THREADS, random_batches
 from bench.ranks import REPO, free_port, rank_env, write_result
-from llmtrain.memory.pipeline import SCHEDULES  # the config's schedule names
+from llmtrain.planning.memory.pipeline import SCHEDULES  # the config's schedule names
 
 PP = 2  # stages, one process each: the world
 COMPUTE = ("ForwardPass", "BackwardPass")
@@ -85,7 +85,7 @@ def setups(shape: Shape) -> list[tuple[str, int]]:
 
 def stage_contents(model: Any, partition: str) -> str:
     """What each stage runs, as the estimator describes it: `stage 0: embedding, blocks 0-4; ...`."""
-    from llmtrain.memory.pipeline import describe_span, stage_spans
+    from llmtrain.planning.memory.pipeline import describe_span, stage_spans
 
     return "; ".join(
         f"stage {span.index}: {describe_span(span)}" for span in stage_spans(model, PP, partition)
@@ -93,8 +93,8 @@ def stage_contents(model: Any, partition: str) -> str:
 
 
 def bubble_theory(m: int) -> float:
-    """(pp - 1) / (m + pp - 1), as the estimator computes it (llmtrain.parallel.stages)."""
-    from llmtrain.parallel.stages import bubble_fraction
+    """(pp - 1) / (m + pp - 1), as the estimator computes it (llmtrain.planning.stages)."""
+    from llmtrain.planning.stages import bubble_fraction
 
     return bubble_fraction(PP, m)
 
@@ -203,7 +203,8 @@ class Runner:
     """One setup's engine on this stage, as `llmtrain train --pp` builds it, its instructions timed."""
 
     def __init__(self, shape: Shape, schedule: str, m: int, world: Any) -> None:
-        from llmtrain.engine import dsconfig, pipeline
+        from llmtrain.engine import pipeline
+        from llmtrain.planning import dsconfig
 
         cfg = _config(shape, schedule, m)
         self.schedule, self.m = schedule, m
@@ -341,7 +342,7 @@ def run_stages(shape: Shape, log_dir: Path) -> list[dict[str, Any]]:
 
 def summarise(shape: Shape, stages: list[dict[str, Any]]) -> dict[str, Any]:
     """Per setup: tokens/s, and per stage the bubble (measured and theory), compute and activation peak."""
-    from llmtrain.memory.pipeline import in_flight
+    from llmtrain.planning.memory.pipeline import in_flight
 
     tokens_per_micro_batch = shape.micro_batch * shape.seq_len
     out: dict[str, Any] = {}

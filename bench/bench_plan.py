@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.ranks import REPO, write_result
-from llmtrain import memory, rundir
+from llmtrain import rundir
 from llmtrain.config import resolve
+from llmtrain.planning import memory
 from llmtrain.planning.hardware import CLUSTERS, Cluster
 from llmtrain.planning.timing import StepTime, step_time
 

@@ -152,9 +152,9 @@ class HFDeepSpeedRunner:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from llmtrain.engine import dsconfig
         from llmtrain.export import hf_config
         from llmtrain.parallel import distributed
+        from llmtrain.planning import dsconfig
 
         cfg = _config(setup)
         world = distributed.init()

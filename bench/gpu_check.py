@@ -212,8 +212,8 @@ def measure_1b(compiled: bool) -> dict[str, Any]:
     import torch
 
     from bench.bench_train import LlmtrainRunner, Setup, _config, random_batches
-    from llmtrain.memory import estimate, setup_from_config
     from llmtrain.planning.flops import flops_per_token
+    from llmtrain.planning.memory import estimate, setup_from_config
     from llmtrain.train.metrics import peak_flops
 
     setup = Setup("llmtrain", 1, "bf16", compile=compiled, preset=PRESET_1B, seq_len=SEQ_LEN_1B,

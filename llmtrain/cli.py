@@ -183,18 +183,18 @@ def config_cmd(
 def _engine_settings(cfg: config_mod.TrainConfig, world: int) -> dict[str, Any]:
     """What `train` would build its engine from: FSDP2's plan, or DeepSpeed's config dict."""
     if cfg.train.engine == "fsdp2":
-        from llmtrain.engine import fsdp2_plan
+        from llmtrain.planning import fsdp2_plan
 
         return fsdp2_plan.build(cfg, world)
-    from llmtrain.engine import dsconfig
     from llmtrain.parallel.distributed import select_accelerator
+    from llmtrain.planning import dsconfig
 
     return dsconfig.build(cfg, world, accelerator=select_accelerator())
 
 
 def _describe_layout(cfg: config_mod.TrainConfig, world: int, ds: dict[str, Any]) -> None:
     """The tp/sp/pp layout and a pipeline's bubble, on stderr: stdout stays the JSON alone."""
-    from llmtrain.parallel.stages import bubble_fraction
+    from llmtrain.planning.stages import bubble_fraction
 
     layout = cfg.layout(world)
     if layout.model_parallel > 1:
@@ -288,7 +288,7 @@ def estimate_memory_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the numbers (bytes) as JSON.")] = False,
 ) -> None:
     """Per-GPU and per-node memory of a configuration, term by term, and which configurations fit."""
-    from llmtrain import memory
+    from llmtrain.planning import memory
 
     shape = {
         "--hidden-size": hidden_size,
@@ -345,8 +345,7 @@ def plan_cmd(
 ) -> None:
     """Which layout, and how fast: every layout that fits, ranked by predicted tokens/s. Flags such as
     --zero or --tp pin that part of the layout; --gpus and --nodes default to the cluster's."""
-    from llmtrain import memory
-    from llmtrain.planning import hardware, plan, report
+    from llmtrain.planning import hardware, memory, plan, report
     from llmtrain.units import human
 
     if (gpu is None) == (cluster_file is None):

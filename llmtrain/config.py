@@ -24,8 +24,8 @@ import yaml
 from llmtrain import init_source
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
-from llmtrain.parallel import rules
-from llmtrain.parallel.layout import Layout, check_shape
+from llmtrain.planning import rules
+from llmtrain.planning.layout import Layout, check_shape
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
 from llmtrain.units import parse_bytes
 
@@ -830,7 +830,7 @@ def _validate_train(cfg: TrainConfig) -> None:
 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
-    """`layout` against the config's model shape and sequence length (parallel.layout.check_shape)."""
+    """`layout` against the config's model shape and sequence length (planning.layout.check_shape)."""
     m = cfg.model
     check_shape(
         layout,

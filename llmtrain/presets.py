@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from llmtrain.parallel import partition
+from llmtrain.planning import partition
 
 # Hugging Face LlamaConfig field names, so a preset reads like a config.json.
 PRESETS: dict[str, dict[str, Any]] = {

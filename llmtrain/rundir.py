@@ -32,7 +32,7 @@ from typing import Any
 from llmtrain.config import ConfigError, TrainConfig, dump_yaml, load_run_config
 from llmtrain.fsutil import refuse_foreign_names, write_atomic
 from llmtrain.parallel import mesh
-from llmtrain.parallel.layout import Layout
+from llmtrain.planning.layout import Layout
 
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"

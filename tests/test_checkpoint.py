@@ -25,7 +25,7 @@ from runkit import Payload
 
 from llmtrain import checkpoint as ckpt
 from llmtrain.checkpoint import CheckpointError
-from llmtrain.parallel.layout import Layout
+from llmtrain.planning.layout import Layout
 
 SEQ = 16
 # (directory, ZeRO stage, precision): bf16 (what --precision auto picks on a GPU or a bf16 CPU); stage 0
@@ -41,8 +41,8 @@ def _engine(stage: int, seed: int, extra: dict[str, Any] | None = None, precisio
     import deepspeed
 
     from llmtrain.config import resolve
-    from llmtrain.engine import dsconfig
     from llmtrain.model import build_model
+    from llmtrain.planning import dsconfig
 
     cfg = resolve(
         flags={"preset": "debug", "zero.stage": stage, "train.micro_batch": 2, "train.precision": precision}
@@ -513,7 +513,8 @@ def _debug_config(engine: str) -> Any:
 def _first_saves(rank: int, ws: int, root: str) -> dict[str, tuple[int, int, str]]:
     """A real first checkpoint of the debug preset (bf16) on DeepSpeed ZeRO 1 and on FSDP2, after one
     update (Adam's moments exist): engine -> (the manifest's total, the size then expected, its basis)."""
-    from llmtrain.engine import fsdp2, fsdp2_plan
+    from llmtrain.engine import fsdp2
+    from llmtrain.planning import fsdp2_plan
 
     deepspeed = _engine(1, seed=1)
     _train_step(deepspeed, 1, rank)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from llmtrain import config as c
-from llmtrain.parallel import rules
+from llmtrain.planning import rules
 from llmtrain.presets import PRESETS
 
 

@@ -12,8 +12,7 @@ import pytest
 from dist import run_distributed
 
 from llmtrain import config as c
-from llmtrain.engine import dsconfig
-from llmtrain.parallel import rules
+from llmtrain.planning import dsconfig, rules
 
 REPO = Path(__file__).resolve().parent.parent
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -169,7 +168,7 @@ def test_config_command_shows_the_tensor_parallel_layout(capsys: pytest.CaptureF
 
 def test_the_tp_split_covers_the_projections_and_the_vocabulary_and_nothing_else() -> None:
     from llmtrain.model import build_model
-    from llmtrain.parallel.partition import WHOLE, tp_split_dim
+    from llmtrain.planning.partition import WHOLE, tp_split_dim
 
     names = [n for n, _ in build_model(c.resolve(flags={"preset": "debug"}).model, "meta").named_parameters()]
     split = {n.split(".")[-2]: tp_split_dim(n) for n in names if tp_split_dim(n) is not None}

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmtrain.checkpoint import weights_only_loads
-from llmtrain.parallel.partition import tp_split_dim
+from llmtrain.planning.partition import tp_split_dim
 
 pytestmark = pytest.mark.slow
 

@@ -36,8 +36,9 @@ from runkit import (
     wait_for,
 )
 
-from llmtrain import checkpoint, memory
+from llmtrain import checkpoint
 from llmtrain.config import ConfigError, resolve
+from llmtrain.planning import memory
 from llmtrain.train import faults
 from llmtrain.units import human
 

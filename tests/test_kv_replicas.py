@@ -1,4 +1,4 @@
-"""Key/value heads replicated when tp exceeds them (parallel.partition's rule): tp 4 over the debug
+"""Key/value heads replicated when tp exceeds them (planning.partition's rule): tp 4 over the debug
 preset's 2 key/value heads, 4 gloo processes, against the same model whole in each process.
 
 Each rank keeps the head its query heads read (rank r: head r // 2); the loss, every norm's gradient
@@ -18,8 +18,8 @@ import torch
 from dist import run_distributed
 
 from llmtrain.config import resolve
-from llmtrain.memory.formulas import layer_activation_bytes
-from llmtrain.parallel import partition
+from llmtrain.planning import partition
+from llmtrain.planning.memory.activations import layer_activation_bytes
 
 TP, KV_HEADS = 4, 2
 
@@ -27,8 +27,8 @@ TP, KV_HEADS = 4, 2
 def _replicated(rank: int, world_size: int) -> dict[str, Any]:
     from llmtrain.model import Llama
     from llmtrain.parallel import tensor
-    from llmtrain.parallel.layout import Layout
     from llmtrain.parallel.mesh import Mesh
+    from llmtrain.planning.layout import Layout
 
     cfg = resolve(flags={"preset": "debug"}).model
     assert cfg.num_key_value_heads == KV_HEADS

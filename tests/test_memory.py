@@ -8,11 +8,10 @@ import sys
 
 import pytest
 
-from llmtrain import memory
 from llmtrain.cli import main
 from llmtrain.config import ConfigError, check_layout, resolve
-from llmtrain.memory import formulas
-from llmtrain.parallel import layout, rules
+from llmtrain.planning import layout, memory, rules
+from llmtrain.planning.memory import activations
 from llmtrain.presets import PRESETS, count_parameters
 from llmtrain.units import human
 
@@ -77,7 +76,7 @@ def test_loss_chunk_rows_match_the_model() -> None:
 
 
 def test_buffers_follow_the_generated_deepspeed_config() -> None:
-    from llmtrain.engine import dsconfig
+    from llmtrain.planning import dsconfig
 
     cfg = resolve(flags={"preset": "7b", "zero.stage": 3, "launch.gpus": 8})
     zero = dsconfig.build(cfg, 8, accelerator="cuda")["zero_optimization"]
@@ -111,12 +110,16 @@ def test_tp_divides_the_logits_and_sp_under_tp_divides_the_ulysses_buffers() -> 
     H / tp heads' q, k, v and output."""
     flags = {**_7B, "train.micro_batch": 2}
     one, tp2 = _setup(**flags), _setup(**flags, **{"parallel.tp": 2})
-    assert formulas.loss_chunk_bytes(tp2) * 2 == formulas.loss_chunk_bytes(one)
+    assert activations.loss_chunk_bytes(tp2) * 2 == activations.loss_chunk_bytes(one)
     sp2, tp2_sp2 = (
         _setup(**flags, **{"parallel.sp": 2}),
         _setup(**flags, **{"parallel.tp": 2, "parallel.sp": 2}),
     )
-    assert formulas.ulysses_buffer_bytes(tp2_sp2) * 2 == formulas.ulysses_buffer_bytes(sp2) > 0
+    assert (
+        activations.ulysses_buffer_bytes(tp2_sp2) * 2
+        == activations.ulysses_buffer_bytes(sp2)
+        > 0
+    )
     assert tp2_sp2.zero_group == 4  # 8 / tp 2: ZeRO shards over dp 2 x sp 2
 
 
@@ -128,14 +131,14 @@ def test_checkpointed_inputs_partitioned_over_tp_or_held_in_host_memory() -> Non
     plain = memory.estimate(_setup(**flags))
     parted = memory.estimate(_setup(**flags, **{"train.partition_activations": True}))
     host = memory.estimate(_setup(**flags, **{"train.cpu_checkpointing": True}))
-    inputs = formulas.checkpointed_input_bytes(plain.setup)
+    inputs = activations.checkpointed_input_bytes(plain.setup)
     assert inputs == 32 * 2 * 4096 * 4096
 
-    def activations(est: memory.Estimate) -> int:
+    def activation_term(est: memory.Estimate) -> int:
         return {t.name: t.bytes for t in est.gpu}["activations"]
 
-    assert activations(plain) - activations(parted) == inputs // 2
-    assert activations(plain) - activations(host) == inputs
+    assert activation_term(plain) - activation_term(parted) == inputs // 2
+    assert activation_term(plain) - activation_term(host) == inputs
     assert {t.name: t.bytes for t in host.cpu}["checkpointed activations"] == 8 * inputs
     assert "checkpointed activations" not in {t.name for t in plain.cpu}
 
@@ -150,8 +153,8 @@ def test_sp_replicates_parameters_and_partitions_over_the_whole_world() -> None:
 def test_tp_splits_attention_and_mlp_inner_activations_not_the_residual_stream() -> None:
     model = resolve(flags={"preset": "7b"}).model
     tokens = 4096
-    one = formulas.layer_activation_bytes(model, 1, tokens, "bf16", False)
-    two = formulas.layer_activation_bytes(model, 1, tokens, "bf16", False, tp=2)
+    one = activations.layer_activation_bytes(model, 1, tokens, "bf16", False)
+    two = activations.layer_activation_bytes(model, 1, tokens, "bf16", False, tp=2)
     # Halved: q, k, v, SDPA's output (bf16) and log-sum-exp (fp32 per head), gate, silu, up, product.
     heads = 2 * tokens * 4 * 4096 + 4 * tokens * 32
     assert one - two == (heads + 2 * 4 * tokens * 11008) // 2 == 247_726_080
@@ -161,8 +164,8 @@ def test_tp_splits_attention_and_mlp_inner_activations_not_the_residual_stream()
 
 def test_sp_halves_the_per_token_activations_and_adds_the_all_to_all() -> None:
     model = resolve(flags={"preset": "7b"}).model
-    one = formulas.layer_activation_bytes(model, 1, 4096, "bf16", False)
-    two = formulas.layer_activation_bytes(model, 1, 4096, "bf16", False, sp=2)
+    one = activations.layer_activation_bytes(model, 1, 4096, "bf16", False)
+    two = activations.layer_activation_bytes(model, 1, 4096, "bf16", False, sp=2)
     # Every saved tensor holds 2048 of the 4096 tokens; o_proj's input is the all-to-all's copy back.
     assert two == one // 2 + 2 * 2048 * 4096 == 331_628_544
     terms = {t.name: t for t in memory.estimate(_setup(**_7B, **{"parallel.sp": 2})).gpu}

@@ -18,9 +18,9 @@ import pytest
 import torch
 from dist import run_distributed
 
-from llmtrain import memory
 from llmtrain.config import resolve
 from llmtrain.engine.ds_engine import held_model_states
+from llmtrain.planning import memory
 
 ENGINE_CASES = [
     (0, "none", "bf16"),
@@ -137,9 +137,10 @@ def _measure_engines(
 ) -> dict[str, Any]:
     import deepspeed
 
-    from llmtrain.engine import dsconfig, pipeline
+    from llmtrain.engine import pipeline
     from llmtrain.engine.ds_engine import build_engine
     from llmtrain.model import build_model
+    from llmtrain.planning import dsconfig
 
     measured: dict[str, Any] = {}
     for case in cases:

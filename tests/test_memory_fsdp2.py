@@ -15,11 +15,10 @@ import pytest
 import torch
 from dist import run_distributed
 
-from llmtrain import memory
 from llmtrain.cli import main
 from llmtrain.config import resolve
-from llmtrain.memory import formulas
-from llmtrain.parallel import rules
+from llmtrain.planning import memory, rules
+from llmtrain.planning.memory import states
 
 P, ROOT, BLOCK = 158_016, 65_600, 46_208
 
@@ -49,10 +48,10 @@ def _terms(stage: int, offload: str = "none", precision: str = "bf16", **flags: 
 
 
 def test_units_are_the_blocks_and_the_root() -> None:
-    assert formulas.shard_units(_config(3).model) == formulas.ShardUnits(ROOT, BLOCK, 2)
+    assert states.shard_units(_config(3).model) == states.ShardUnits(ROOT, BLOCK, 2)
     assert ROOT + 2 * BLOCK == P == memory.setup_from_config(_config(3)).params
     tied = _config(3, **{"model.tie_word_embeddings": True}).model
-    assert formulas.shard_units(tied).root == 512 * 64 + 64  # lm_head is the embedding's Parameter
+    assert states.shard_units(tied).root == 512 * 64 + 64  # lm_head is the embedding's Parameter
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -183,8 +182,8 @@ def _measure_engines(
 ) -> dict[tuple, tuple[int, int]]:
     """Each case's (parameter, model-state) bytes on this rank after an update (AdamW's moments exist)
     and the next backward (gradients held)."""
-    from llmtrain.engine import fsdp2_plan
     from llmtrain.engine.fsdp2 import build_engine, held_model_states
+    from llmtrain.planning import fsdp2_plan
 
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))  # debug vocabulary
     batch = {"input_ids": ids, "labels": ids}

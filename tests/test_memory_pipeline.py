@@ -8,11 +8,10 @@ import json
 
 import pytest
 
-from llmtrain import memory
 from llmtrain.cli import main
 from llmtrain.config import check_layout, resolve
-from llmtrain.memory import formulas, pipeline
-from llmtrain.parallel import layout, rules, stages
+from llmtrain.planning import layout, memory, rules, stages
+from llmtrain.planning.memory import activations, pipeline
 
 # debug: vocab 512, hidden 64, MLP 176, 2 blocks, 4 heads of 16, 2 KV heads. Per block: two norms 128,
 # q and o 64 x 64, k and v 64 x 32, gate, up and down 64 x 176 = 46,208; embedding = output layer =
@@ -48,7 +47,7 @@ def _setup(**flags: object) -> memory.Setup:
 
 def test_the_per_block_bytes_are_the_estimators() -> None:
     model = resolve(flags={"preset": "debug"}).model
-    assert formulas.layer_activation_bytes(model, 2, 32, "bf16", False) == BLOCK
+    assert activations.layer_activation_bytes(model, 2, 32, "bf16", False) == BLOCK
     assert (STAGE0_MICRO, STAGE1_MICRO) == (162_304, 244_488)
 
 
@@ -89,7 +88,7 @@ def test_a_tied_output_layer_is_a_copy_on_the_last_stage() -> None:
 
 def test_one_micro_batch_on_each_stage() -> None:
     setup = _setup(**_DEBUG_PP2)
-    assert [formulas.activation_bytes(setup, s) for s in (0, 1)] == [STAGE0_MICRO, STAGE1_MICRO]
+    assert [activations.activation_bytes(setup, s) for s in (0, 1)] == [STAGE0_MICRO, STAGE1_MICRO]
 
 
 def test_1f1b_holds_pp_micro_batches_on_the_first_stage_and_gpipe_all_m() -> None:
@@ -112,9 +111,9 @@ def test_1f1b_never_holds_more_than_the_step_runs() -> None:
 
 def test_selective_checkpointing_counts_each_stages_own_blocks() -> None:
     # tiny has 8 blocks; every 3rd is recomputed (0, 3, 6): two on stage 0 (0-3), one on stage 1 (4-7).
-    assert formulas.checkpointed_in(range(0, 4), "selective", 3) == 2
-    assert formulas.checkpointed_in(range(4, 8), "selective", 3) == 1
-    assert formulas.checkpointed_in(range(4, 8), "full", 3) == 4
+    assert activations.checkpointed_in(range(0, 4), "selective", 3) == 2
+    assert activations.checkpointed_in(range(4, 8), "selective", 3) == 1
+    assert activations.checkpointed_in(range(4, 8), "full", 3) == 4
 
 
 def test_the_loss_belongs_to_the_last_stage_and_the_embedding_to_the_first() -> None:

@@ -7,8 +7,8 @@ import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from llmtrain.errors import ConfigError
-from llmtrain.parallel.layout import Layout, check_resume
 from llmtrain.parallel.mesh import describe
+from llmtrain.planning.layout import Layout, check_resume
 
 
 def test_rank_order_is_tp_innermost_and_pp_outermost() -> None:
@@ -63,11 +63,11 @@ def test_the_pipeline_grid_deepspeed_builds_has_the_mesh_groups(world: int, tp: 
     "flags", [{"preset": "debug"}, {"preset": "tiny", "model.tie_word_embeddings": True}]
 )
 def test_the_partition_spec_lists_the_models_parameters(flags: dict[str, object]) -> None:
-    """parallel.partition's spec is model.py's parameters, name by name and shape by shape, and its
+    """planning.partition's spec is model.py's parameters, name by name and shape by shape, and its
     per-rank counts are the shards parallel.tensor keeps."""
     from llmtrain.config import resolve
     from llmtrain.model import build_model
-    from llmtrain.parallel import partition
+    from llmtrain.planning import partition
     from llmtrain.presets import count_parameters
 
     cfg = resolve(flags=flags).model

@@ -109,7 +109,7 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2_sp2_zero1": ("batch2_mha", {**TP2_SP2, "zero.stage": 1}),
     "tp2_sp2_zero3": ("batch2_mha", {**TP2_SP2, "zero.stage": 3}),
     "tp2_sp2_zero1_bf16": ("batch2_mha_bf16", {**TP2_SP2, "zero.stage": 1, "train.precision": "bf16"}),
-    # tp 4 over 2 key/value heads: each held by two ranks (parallel.partition's rule)
+    # tp 4 over 2 key/value heads: each held by two ranks (planning.partition's rule)
     "tp4_zero1": ("batch2", {"parallel.tp": 4, "zero.stage": 1}),
     "tp4_zero3": ("batch2", {"parallel.tp": 4, "zero.stage": 3}),
 }
@@ -244,15 +244,15 @@ def test_deepspeed_activation_checkpointing_follows_torchs(trajectories: dict[st
 def test_partitioned_activations_keep_one_tp_share_of_each_block_input(trajectories: dict[str, Any]) -> None:
     """Each checkpointed block keeps 1/tp of its input (micro-batch x seq_len x hidden), as the
     estimator's checkpointed_input_bytes counts it."""
-    from llmtrain import memory
     from llmtrain.config import resolve
-    from llmtrain.memory import formulas
+    from llmtrain.planning import memory
+    from llmtrain.planning.memory import activations
 
     cfg = resolve(flags={**COMMON, **CHECKPOINTED["tp2_full_partitioned"], "launch.gpus": 2})
     share = COMMON["train.micro_batch"] * COMMON["train.seq_len"] * cfg.model.hidden_size // 2
     assert trajectories["saved_inputs"] == [[share]] * cfg.model.num_hidden_layers
     setup = memory.setup_from_config(cfg, None, shape_known=True)
-    assert formulas.checkpointed_input_bytes(setup) == 4 * share * cfg.model.num_hidden_layers  # fp32
+    assert activations.checkpointed_input_bytes(setup) == 4 * share * cfg.model.num_hidden_layers  # fp32
 
 
 @pytest.mark.parametrize("axis", ["tp", "sp"])

@@ -119,7 +119,8 @@ def _train_and_measure(
     import torch.distributed as dist
     from test_memory_calibration import _held_before_second_reduction
 
-    from llmtrain.engine import dsconfig, pipeline
+    from llmtrain.engine import pipeline
+    from llmtrain.planning import dsconfig
 
     out = _train(rank, world_size, root, scenarios)
     for precision in ("bf16", "fp32"):
@@ -177,7 +178,7 @@ CALIBRATION_TOLERANCE = 0.01
 def test_the_3d_estimate_matches_every_ranks_engine(trajectories: dict[str, Any], precision: str) -> None:
     """estimate-memory's per-stage model states for dp 2 x tp 2 x pp 2 (vocab-parallel embedding and
     output layer, ZeRO 1 over the data group) against the state bytes each of the 8 ranks' engines holds."""
-    from llmtrain import memory
+    from llmtrain.planning import memory
 
     report = memory.estimate(memory.setup_from_config(_calibration_config(precision))).to_dict()
     per_stage = [stage["model_states_bytes"] for stage in report["pipeline"]["per_stage"]]

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from bench import bench_plan
-from llmtrain import memory
 from llmtrain.config import resolve
 from llmtrain.errors import ConfigError
+from llmtrain.planning import memory
 from llmtrain.planning.flops import flops_per_token
 from llmtrain.planning.hardware import CLUSTERS, Cluster, builtin_cluster, cluster_from_dict, load_cluster
 from llmtrain.planning.timing import StepTime, step_time

@@ -118,7 +118,7 @@ def test_the_estimator_plans_auto_as_bf16_and_leaves_the_config_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """estimate-memory sizes GPU runs: auto is bf16 there whatever the machine it runs on."""
-    from llmtrain.memory.formulas import setup_from_config
+    from llmtrain.planning.memory.setup import setup_from_config
 
     _measuring_forbidden(monkeypatch)
     cfg = resolve(flags={"preset": "7b", "zero.stage": "2"})

@@ -59,7 +59,7 @@ class CheckpointInfo:
     created: str
     engine: str = "deepspeed"  # whose format: "deepspeed" files or "fsdp2" distributed checkpoints
     layout: dict[str, int] | None = None  # the saving run's {"tp", "sp", "pp"}; None if not recorded
-    kv_replicas: int = 1  # tp ranks that held each key/value head (parallel.partition)
+    kv_replicas: int = 1  # tp ranks that held each key/value head (planning.partition)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ those two are reassembled here. Every file is pickle-scanned first and loaded we
 
 With tensor parallelism each tp rank's files (`mp_rank_XX`) hold a data-parallel checkpoint of that
 rank's slices: each rank is consolidated as above, then every parameter is rebuilt from its slices along
-the dim parallel.partition splits it.
+the dim planning.partition splits it.
 
 A pipeline checkpoint (PipelineEngine, ZeRO 1: `layer_NN-model_states.pt` files) uses `mp_rank_XX` for
 the pipeline stage, not a tp rank: each stage's fp32 masters are cut from its optimizer shards and
@@ -29,8 +29,8 @@ from llmtrain.checkpoint import dcp
 from llmtrain.checkpoint.common import CheckpointError
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
-from llmtrain.parallel import stages
-from llmtrain.parallel.partition import is_kv_projection, tp_split_dim
+from llmtrain.planning import stages
+from llmtrain.planning.partition import is_kv_projection, tp_split_dim
 
 
 def consolidated_fp32_state_dict(ckpt_root: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ def _merge_tp_slices(
     path: Path, slices: list[dict[str, torch.Tensor]], kv_replicas: int = 1
 ) -> dict[str, torch.Tensor]:
     """Each parameter rebuilt from its per-tp-rank slices, concatenated in tp-rank order along the dim
-    parallel.partition splits it (the table the model was sharded by). A parameter every rank holds
+    planning.partition splits it (the table the model was sharded by). A parameter every rank holds
     whole must be equal on every rank, and so must the `kv_replicas` consecutive copies of a replicated
     key/value head (one copy is kept), or the checkpoint is refused."""
     out: dict[str, torch.Tensor] = {}

@@ -39,12 +39,12 @@ from llmtrain.checkpoint.consolidate import model_name
 from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 from llmtrain.fsutil import write_atomic
-from llmtrain.parallel import partition
-from llmtrain.parallel.layout import Layout
+from llmtrain.planning import partition
+from llmtrain.planning.layout import Layout
 
 
 def client_state() -> dict[str, Any]:
-    """What ds_to_universal needs to merge a tensor-parallel checkpoint's slices, from parallel.partition's
+    """What ds_to_universal needs to merge a tensor-parallel checkpoint's slices, from planning.partition's
     table (saved with every checkpoint as DeepSpeed's `universal_checkpoint_info`): the row-parallel
     weights are concatenated along dim 1, the column-parallel ones and the vocabulary's rows along
     dim 0 (its default), and the weights every tp rank holds whole are taken once. The patterns match

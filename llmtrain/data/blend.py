@@ -41,7 +41,7 @@ from llmtrain.data.dataset import (
 )
 from llmtrain.data.mixture import MixturePart
 from llmtrain.data.shards import splitmix64
-from llmtrain.parallel import rules
+from llmtrain.planning import rules
 
 _MASK64 = (1 << 64) - 1
 

@@ -32,7 +32,7 @@ import torch
 
 from llmtrain.config import ConfigError
 from llmtrain.data.shards import PreparedData, TokenStream, splitmix64
-from llmtrain.parallel import rules
+from llmtrain.planning import rules
 
 Batch = dict[str, torch.Tensor]
 _FEISTEL_ROUNDS = 4

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.config import TrainConfig
-from llmtrain.engine import ds_engine, dsconfig, fsdp2, fsdp2_plan, pipeline
+from llmtrain.engine import ds_engine, fsdp2, pipeline
 from llmtrain.engine.base import Engine
 from llmtrain.parallel.distributed import World
+from llmtrain.planning import dsconfig, fsdp2_plan
 
 
 def engine_config(cfg: TrainConfig, world: World, load_universal: bool = False) -> dict[str, Any]:

@@ -21,9 +21,9 @@ from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.envvar import set_for_block
 from llmtrain.parallel import tensor as tensor_parallel
-from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.mesh import Mesh, process_groups
-from llmtrain.parallel.partition import kv_replicas
+from llmtrain.planning.layout import Layout
+from llmtrain.planning.partition import kv_replicas
 from llmtrain.quiet import held_stdout
 
 
@@ -147,7 +147,7 @@ class DeepSpeedEngine(Engine):
         self.optimizer = ds.optimizer
         # Stage 0 in fp32: DeepSpeed steps a bare torch optimizer, with no overflow check of its own.
         self.plain_optimizer = plain_optimizer
-        # tp ranks holding each key/value head (parallel.partition): consolidation keeps one copy.
+        # tp ranks holding each key/value head (planning.partition): consolidation keeps one copy.
         self.kv_replicas = kv_replicas
 
     @property

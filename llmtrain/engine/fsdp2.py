@@ -4,7 +4,7 @@ How the flags map:
 - `--zero 3`: parameters resharded after each block's forward (gathered again for backward);
   `--zero 2`: kept gathered from forward to backward (more memory, one all-gather fewer per block).
   FSDP2 always shards gradients and optimizer states with the parameters: ZeRO 0 and 1, and NVMe
-  offload, are refused (parallel.rules), as are fp16 and tp/sp/pp.
+  offload, are refused (planning.rules), as are fp16 and tp/sp/pp.
 - `--precision bf16`: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): compute in bf16,
   gradients reduced and accumulated in fp32, the sharded fp32 parameters are the masters. fp32: none.
 - `--offload cpu`: CPUOffloadPolicy (sharded parameters, gradients and the optimizer step on the CPU).

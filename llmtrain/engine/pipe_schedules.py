@@ -8,7 +8,7 @@ step. They differ in order, hence in memory and idle time:
 - GPipe runs all m forwards, then all m backwards: a stage holds the activations of all m micro-batches.
 - 1F1B starts backwards as soon as the last stage has a loss: stage s holds at most min(stages - s, m).
 
-Both idle for the same bubble, (stages - 1) / (m + stages - 1) of a step (parallel.stages.bubble_fraction),
+Both idle for the same bubble, (stages - 1) / (m + stages - 1) of a step (planning.stages.bubble_fraction),
 filling and draining the pipe.
 Backwards run in micro-batch order in both, so gradients accumulate in the same order as a
 one-process run's and the two schedules give bitwise-equal updates.

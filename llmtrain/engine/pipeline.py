@@ -50,11 +50,11 @@ from llmtrain.model import (
     rope_inv_freq,
     torch_recompute,
 )
-from llmtrain.parallel import stages
 from llmtrain.parallel import tensor as tensor_parallel
-from llmtrain.parallel.layout import Layout
 from llmtrain.parallel.mesh import process_groups
-from llmtrain.parallel.partition import kv_replicas
+from llmtrain.planning import stages
+from llmtrain.planning.layout import Layout
+from llmtrain.planning.partition import kv_replicas
 from llmtrain.quiet import held_stdout
 
 TIED_KEY = "embed"
@@ -152,7 +152,7 @@ def _tied_head(embedding: EmbedStage, inputs: tuple[Tensor, Tensor]) -> Tensor:
 
 
 class LlamaPipeline(PipelineModule):
-    """PipelineModule whose stage boundaries come from llmtrain.parallel.stages (the estimator's)."""
+    """PipelineModule whose stage boundaries come from llmtrain.planning.stages (the estimator's)."""
 
     def __init__(self, model: ModelConfig, method: str, *args: Any, **kwargs: Any) -> None:
         self._stage_layers = stages.pipeline_layers(model)  # read by _partition_layers, inside __init__

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.parallel.layout import Layout
+from llmtrain.planning.layout import Layout
 
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tensor": ("tp",),
@@ -58,7 +58,7 @@ class Mesh:
 
     def tensor_subgroup(self, size: int) -> Any:
         """This rank's group of `size` consecutive ranks of its tensor group: the replicas of one key/value
-        head when tp exceeds the heads (parallel.partition). Built on first use, by every rank alike
+        head when tp exceeds the heads (planning.partition). Built on first use, by every rank alike
         (every rank shards its model, in the same order)."""
         import torch.distributed as dist
 

@@ -1,5 +1,5 @@
 """llmtrain's own tensor parallelism: the model's column- and row-parallel projections over the mesh's
-tensor group (the split itself is parallel.partition's table).
+tensor group (the split itself is planning.partition's table).
 
 Every rank builds the whole model from the same seed (or loads the same source weights), then keeps its
 slice of each split weight, so a tensor-parallel run starts from exactly the one-process weights. In the
@@ -9,7 +9,7 @@ The embedding holds V / tp token rows per rank: each rank looks up the ids it ho
 summed over the ranks (`embed`); the output layer's vocab-parallel loss is llmtrain.loss's.
 Split weights carry DeepSpeed's `tensor_model_parallel` mark: its ZeRO optimizers then count each rank's
 slices in the gradient norm and replicated weights once. With more tp ranks than key/value heads, the
-ranks holding copies of one head (parallel.partition's rule) sum its gradients (`replicated_projection`),
+ranks holding copies of one head (planning.partition's rule) sum its gradients (`replicated_projection`),
 and only the first copy carries the mark, so the norm counts each head once.
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llmtrain.parallel.partition import is_kv_projection, kv_replicas, tp_split_dim
+from llmtrain.planning.partition import is_kv_projection, kv_replicas, tp_split_dim
 
 if TYPE_CHECKING:
     from llmtrain.parallel.mesh import Mesh
@@ -123,7 +123,7 @@ def shard_over(model: nn.Module, mesh: Mesh, kv_heads: int) -> None:
 
 
 def shard(model: nn.Module, group: Any, kv_group: Any = None) -> None:
-    """Keep this rank's slice of every weight parallel.partition splits, and route the blocks' attention
+    """Keep this rank's slice of every weight planning.partition splits, and route the blocks' attention
     and MLP, the embedding and the output layer through the tp group. `model` is whole and identical on
     every rank of `group`; a tied output layer is tied again to the embedding's slice. `kv_group`: this
     rank's copies of one key/value head (consecutive tp ranks), when tp exceeds the heads."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from llmtrain.config import ModelConfig
-from llmtrain.parallel.partition import WHOLE, block_tensors
+from llmtrain.planning.partition import WHOLE, block_tensors
 from llmtrain.presets import count_parameters
 
 

@@ -1,7 +1,7 @@
 """`llmtrain plan`: every layout that composes and fits, ranked by predicted tokens/s.
 
-The layouts are the fit search's (memory.fit.degrees: tp and sp inside a node, pipelines of every
-divisor, parallel.rules' stage/offload combinations), on both engines, each with every checkpointing
+The layouts are the fit search's (planning.memory.fit.degrees: tp and sp inside a node, pipelines of every
+divisor, planning.rules' stage/offload combinations), on both engines, each with every checkpointing
 mode and every micro-batch that divides the global batch; the memory model keeps those that fit the
 cluster's devices and the time model ranks them. The global batch and sequence length stay the
 request's, so every row trains the same tokens per step. Flags the user gave pin their part of the
@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from llmtrain.errors import ConfigError
-from llmtrain.memory.fit import degrees
-from llmtrain.memory.formulas import Estimate, Setup, estimate
-from llmtrain.parallel import rules
+from llmtrain.planning import rules
 from llmtrain.planning.hardware import Cluster
+from llmtrain.planning.memory.fit import degrees
+from llmtrain.planning.memory.formulas import Estimate, estimate
+from llmtrain.planning.memory.setup import Setup
 from llmtrain.planning.timing import StepTime, step_time
 
 ENGINES = ("deepspeed", "fsdp2")

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrain.memory.formulas import Setup, checkpointed_in, rank_tokens
-from llmtrain.memory.pipeline import StageSpan
-from llmtrain.parallel.layout import Layout
 from llmtrain.planning.flops import (
     attention_width,
     block_elementwise_elements,
@@ -42,6 +39,10 @@ from llmtrain.planning.flops import (
     flops_per_token,
 )
 from llmtrain.planning.hardware import Cluster
+from llmtrain.planning.layout import Layout
+from llmtrain.planning.memory.activations import checkpointed_in, rank_tokens
+from llmtrain.planning.memory.pipeline import StageSpan
+from llmtrain.planning.memory.setup import Setup
 
 FP32 = 4
 # Bytes per parameter the optimizer step touches on the device: fp32 master, exp_avg and exp_avg_sq read

@@ -23,7 +23,7 @@ from llmtrain import checkpoint, rundir
 from llmtrain.config import ConfigError, flag_for
 from llmtrain.config import resolve as resolve_config
 from llmtrain.fsutil import write_atomic
-from llmtrain.parallel.layout import check_resume
+from llmtrain.planning.layout import check_resume
 from llmtrain.run.prepare import (
     RESUME_MAY_CHANGE,
     ConfigChanges,

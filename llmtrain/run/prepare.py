@@ -22,9 +22,9 @@ from llmtrain import config as config_mod
 from llmtrain import precision, rundir
 from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
-from llmtrain.parallel import rules
 from llmtrain.parallel.distributed import inside_launcher
-from llmtrain.parallel.layout import check_resume
+from llmtrain.planning import rules
+from llmtrain.planning.layout import check_resume
 from llmtrain.run import nodes
 from llmtrain.train import faults, schedule
 

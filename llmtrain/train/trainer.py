@@ -30,10 +30,11 @@ from llmtrain.data.shards import PreparedData
 from llmtrain.engine.base import Engine
 from llmtrain.engine.build import build_engine, engine_config
 from llmtrain.errors import RunFailure
-from llmtrain.memory.formulas import checkpoint_bytes, setup_from_config
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import World
-from llmtrain.parallel.layout import check_resume
+from llmtrain.planning.layout import check_resume
+from llmtrain.planning.memory.setup import setup_from_config
+from llmtrain.planning.memory.states import checkpoint_bytes
 from llmtrain.train import faults, plot, profile, schedule
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger

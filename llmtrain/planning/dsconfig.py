@@ -12,7 +12,7 @@ from typing import Any
 
 from llmtrain import precision
 from llmtrain.config import ModelConfig, TrainConfig
-from llmtrain.parallel import rules
+from llmtrain.planning import rules
 
 # Buckets below this many elements only add per-collective latency: a whole small model fits in one.
 MIN_BUCKET_ELEMENTS = 1 << 20

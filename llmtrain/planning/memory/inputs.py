@@ -9,7 +9,7 @@ from typing import Any
 from llmtrain.config import resolve
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
-from llmtrain.memory.formulas import Setup, setup_from_config
+from llmtrain.planning.memory.setup import Setup, setup_from_config
 from llmtrain.units import parse_bytes
 
 # The raw shape flags and the model keys they set; config's errors about these keys name the flag.

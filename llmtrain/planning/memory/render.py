@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.memory.fit import fitting
-from llmtrain.memory.formulas import Estimate
+from llmtrain.planning.memory.fit import fitting
+from llmtrain.planning.memory.formulas import Estimate
 from llmtrain.units import human
 
 _BREAKDOWNS = (

@@ -1,8 +1,8 @@
 """Which layouts fit: every (tp, sp, pp, stage, offload, checkpointing) that composes, with its largest
 micro-batch.
 
-The combinations come from llmtrain.parallel.rules, the one table of what composes, and the degrees from
-llmtrain.parallel.layout's checks against the model, so the search never proposes a layout that
+The combinations come from llmtrain.planning.rules, the one table of what composes, and the degrees from
+llmtrain.planning.layout's checks against the model, so the search never proposes a layout that
 `llmtrain train` would refuse. It searches the setup's engine only (FSDP2: ZeRO 2 or 3, offload none or
 cpu, data parallelism alone).
 """
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from llmtrain.config import check_layout
 from llmtrain.errors import ConfigError
-from llmtrain.memory.formulas import Setup, estimate
-from llmtrain.parallel import rules
-from llmtrain.parallel.layout import Layout
+from llmtrain.planning import rules
+from llmtrain.planning.layout import Layout
+from llmtrain.planning.memory.formulas import estimate
+from llmtrain.planning.memory.setup import Setup
 
 # The fit search estimates layouts for GPUs: rules about other accelerators do not apply.
 ACCELERATOR = "cuda"

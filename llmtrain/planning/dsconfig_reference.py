@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from llmtrain.engine.dsconfig import reference_configs
+from llmtrain.planning.dsconfig import reference_configs
 
 if __name__ == "__main__":
     out = Path(__file__).resolve().parents[2] / "ds_configs"

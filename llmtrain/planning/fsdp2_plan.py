@@ -8,7 +8,7 @@ from typing import Any
 
 from llmtrain import precision
 from llmtrain.config import TrainConfig
-from llmtrain.parallel import rules
+from llmtrain.planning import rules
 
 
 def build(cfg: TrainConfig, world_size: int) -> dict[str, Any]:

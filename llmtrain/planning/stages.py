@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrain.parallel.partition import ModelShape, block_parameters
+from llmtrain.planning.partition import ModelShape, block_parameters
 
 EMBED, NORM, HEAD = "embed", "norm", "head"
 

@@ -1,10 +1,10 @@
 """Pipeline parallelism's arithmetic for the estimator: which blocks each stage runs, how many
 micro-batches' activations it holds at once, and the bubble.
 
-The stages are llmtrain.parallel.stages' (the partition the engine builds), so the estimate is of the
+The stages are llmtrain.planning.stages' (the partition the engine builds), so the estimate is of the
 stages that run. Bytes are formulas' business; this module only counts.
 
-Import-light on purpose, as the rest of llmtrain.memory: no torch, no DeepSpeed.
+Import-light on purpose, as the rest of llmtrain.planning.memory: no torch, no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import typing
 from dataclasses import dataclass
 
 from llmtrain.config import ModelConfig, PipeSchedule
-from llmtrain.parallel import partition
-from llmtrain.parallel.stages import EMBED, HEAD, PipelineLayer, pipeline_layers, stage_bounds
+from llmtrain.planning import partition
+from llmtrain.planning.stages import EMBED, HEAD, PipelineLayer, pipeline_layers, stage_bounds
 
 SCHEDULES = typing.get_args(PipeSchedule)
 

@@ -109,7 +109,7 @@ def check_shape(
     )
     # Heads are split whole, and each rank's query heads must share its key/value heads: tp splits
     # them first, then Ulysses' all-to-all splits each tp rank's heads over sp. With more tp ranks than
-    # key/value heads, each is replicated over tp / kv_heads ranks (parallel.partition's rule).
+    # key/value heads, each is replicated over tp / kv_heads ranks (planning.partition's rule).
     splits = [("parallel.tp", layout.tp, f"tp {layout.tp}"), ("parallel.sp", layout.sp, f"sp {layout.sp}")]
     if layout.tp > 1 and layout.sp > 1:
         splits.append(("parallel.sp", layout.tp * layout.sp, f"tp {layout.tp} x sp {layout.sp}"))
