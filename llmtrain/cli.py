@@ -243,8 +243,8 @@ def _shape_option(flag: str, help_text: str) -> Any:
     return typer.Option(flag, help=f"Raw model shape: {help_text}.", show_default=False)
 
 
-@app.command("estimate-memory")
-@with_flags(
+# What a run's memory and speed depend on: the flags estimate-memory and plan take from train's.
+SIZING_FLAGS = (
     "--preset",
     "--engine",
     "--zero",
@@ -265,6 +265,10 @@ def _shape_option(flag: str, help_text: str) -> Any:
     "--gpus",
     "--nodes",
 )
+
+
+@app.command("estimate-memory")
+@with_flags(*SIZING_FLAGS)
 def estimate_memory_cmd(
     cfg_args: dict[str, Any],
     params: Annotated[
@@ -311,25 +315,7 @@ def estimate_memory_cmd(
 
 
 @app.command("plan")
-@with_flags(
-    "--preset",
-    "--init-from",
-    "--engine",
-    "--zero",
-    "--offload",
-    "--tp",
-    "--sp",
-    "--pp",
-    "--pp-schedule",
-    "--pp-partition",
-    "--precision",
-    "--micro-batch",
-    "--global-batch",
-    "--seq-len",
-    "--activation-checkpointing",
-    "--gpus",
-    "--nodes",
-)
+@with_flags(*SIZING_FLAGS, "--init-from")
 def plan_cmd(
     cfg_args: dict[str, Any],
     gpu: Annotated[

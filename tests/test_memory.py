@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -115,11 +113,7 @@ def test_tp_divides_the_logits_and_sp_under_tp_divides_the_ulysses_buffers() -> 
         _setup(**flags, **{"parallel.sp": 2}),
         _setup(**flags, **{"parallel.tp": 2, "parallel.sp": 2}),
     )
-    assert (
-        activations.ulysses_buffer_bytes(tp2_sp2) * 2
-        == activations.ulysses_buffer_bytes(sp2)
-        > 0
-    )
+    assert activations.ulysses_buffer_bytes(tp2_sp2) * 2 == activations.ulysses_buffer_bytes(sp2) > 0
     assert tp2_sp2.zero_group == 4  # 8 / tp 2: ZeRO shards over dp 2 x sp 2
 
 
@@ -332,18 +326,6 @@ def test_raw_numbers(capsys: pytest.CaptureFixture[str]) -> None:
     )
     preset = _cli_json(capsys, "--preset", "7b")
     assert shaped["per_gpu"] == preset["per_gpu"]  # the same shape as the 7b preset
-
-
-def test_estimate_builds_no_model_and_imports_no_torch() -> None:
-    code = (
-        "import sys; from llmtrain.cli import main; "
-        "rc = main(['estimate-memory', '--preset', '7b', '--zero', '3', '--offload', 'cpu', '--gpus', '8', "
-        "'--gpu-memory', '24GB']); "
-        "print('RESULT', rc, 'torch' in sys.modules, 'deepspeed' in sys.modules, 'llmtrain.model' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "RESULT 0 False False False" in out
-    assert "Verdict: fits" in out
 
 
 @pytest.mark.parametrize(

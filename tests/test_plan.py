@@ -105,12 +105,33 @@ def test_the_table_names_the_dominant_term_and_the_command(capsys: pytest.Captur
     assert "layouts fit; run the first with:\n  llmtrain train --preset 7b" in out
 
 
-def test_plan_builds_no_model_and_imports_no_torch() -> None:
+@pytest.mark.parametrize(
+    ("argv", "printed"),
+    [
+        (["plan", "--preset", "7b", "--gpu", "a100-80gb", "--top", "1"], "layouts fit; run the first with:"),
+        (
+            [
+                "estimate-memory",
+                "--preset",
+                "7b",
+                "--zero",
+                "3",
+                "--offload",
+                "cpu",
+                "--gpus",
+                "8",
+                "--gpu-memory",
+                "24GB",
+            ],
+            "Verdict: fits",
+        ),
+    ],
+)
+def test_the_planning_verbs_build_no_model_and_import_no_torch(argv: list[str], printed: str) -> None:
     code = (
-        "import sys; from llmtrain.cli import main; "
-        "rc = main(['plan', '--preset', '7b', '--gpu', 'a100-80gb', '--top', '1']); "
+        f"import sys; from llmtrain.cli import main; rc = main({argv!r}); "
         "print('RESULT', rc, 'torch' in sys.modules, 'deepspeed' in sys.modules, 'llmtrain.model' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "RESULT 0 False False False" in out
-    assert "layouts fit; run the first with:" in out
+    assert printed in out
