@@ -326,32 +326,32 @@ def plan_cmd(
         Path | None,
         typer.Option("--cluster", help="A YAML file describing your cluster (base: h100, nodes: 4, ...)."),
     ] = None,
+    calibrate: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibrate",
+            metavar="FILE",
+            help="Measure this machine instead (matmuls, memory, all-reduce, CPU Adam; --gpus processes side "
+            "by side) and write it as a cluster file for --cluster.",
+        ),
+    ] = None,
     top: Annotated[int, typer.Option("--top", help="How many layouts to print.", min=1)] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="Print the rows, term by term, as JSON.")] = False,
 ) -> None:
     """Which layout, and how fast: every layout that fits, ranked by predicted tokens/s. Flags such as
     --zero or --tp pin that part of the layout; --gpus and --nodes default to the cluster's."""
-    from llmtrain.planning import hardware, memory, plan, report
+    from llmtrain.planning import hardware, plan, report
     from llmtrain.units import human
 
+    if calibrate is not None:
+        if gpu is not None or cluster_file is not None:
+            raise ConfigError("--calibrate: measures this machine; give it without --gpu and --cluster")
+        _calibrate(calibrate, cfg_args["flags"].get("launch.gpus"))
+        return
     if (gpu is None) == (cluster_file is None):
         raise ConfigError("--gpu: give a built-in device (--gpu h100) or --cluster FILE, one of them")
     cluster = hardware.load_cluster(cluster_file) if cluster_file else hardware.builtin_cluster(str(gpu))
-    given = {key for key, value in cfg_args["flags"].items() if value is not None}
-    given |= set(config_mod.parse_set(cfg_args["sets"]))
-    # The request as a config: the cluster's node size and count unless given, and one sample per
-    # micro-batch unless pinned (any global batch resolves; the plan chooses the micro-batch).
-    defaults = {
-        "launch.gpus": cluster.devices_per_node,
-        "launch.nodes": cluster.nodes,
-        "train.micro_batch": 1,
-    }
-    flags = {key: value for key, value in cfg_args["flags"].items() if value is not None}
-    cfg_args = {**cfg_args, "flags": {**{k: str(v) for k, v in defaults.items() if k not in given}, **flags}}
-    setup = memory.setup_from_config(resolve_config(cfg_args))
-    cluster = cluster.with_size(nodes=setup.cfg.launch.nodes)
-    plan.check_request(setup, cluster)
-    pinned = {key: config_mod.get(setup.cfg, key) for key in plan.LAYOUT_KEYS if key in given}
+    setup, cluster, pinned = _plan_request(cfg_args, cluster)
     rows = plan.plan(setup, cluster, pinned)
     if not rows:
         raise ConfigError(
@@ -370,6 +370,65 @@ def plan_cmd(
         f"{model}: global batch {c.global_batch} x {c.train.seq_len} tokens, {setup.precision}, "
         f"{c.launch.gpus} x {cluster.device.name} per node x {c.launch.nodes} node(s)",
     )
+
+
+def _plan_request(cfg_args: dict[str, Any], cluster: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(Setup, the cluster at the request's node count, the layout keys the user pinned). The request
+    as a config: the cluster's node size and count unless given, and one sample per micro-batch unless
+    pinned (any global batch resolves; the plan chooses the micro-batch)."""
+    from llmtrain.planning import memory, plan
+
+    given = {key for key, value in cfg_args["flags"].items() if value is not None}
+    given |= set(config_mod.parse_set(cfg_args["sets"]))
+    defaults = {
+        "launch.gpus": cluster.devices_per_node,
+        "launch.nodes": cluster.nodes,
+        "train.micro_batch": 1,
+    }
+    flags = {key: value for key, value in cfg_args["flags"].items() if value is not None}
+    request = {**cfg_args, "flags": {**{k: str(v) for k, v in defaults.items() if k not in given}, **flags}}
+    setup = memory.setup_from_config(resolve_config(request))
+    cluster = cluster.with_size(nodes=setup.cfg.launch.nodes)
+    plan.check_request(setup, cluster)
+    return setup, cluster, {key: config_mod.get(setup.cfg, key) for key in plan.LAYOUT_KEYS if key in given}
+
+
+def _calibrate(path: Path, gpus: str | None) -> None:
+    """Measure this machine in --gpus processes (default: its CUDA devices, else its cores) and write
+    the cluster file."""
+    from llmtrain import calibrate, rundir
+    from llmtrain.parallel.distributed import select_accelerator
+
+    check_output_file(path, "--calibrate", force=False)
+    accelerator = select_accelerator()
+    devices = int(gpus) if gpus else _local_devices(accelerator)
+    if devices < 1:
+        raise ConfigError(f"--gpus: must be at least 1, got {devices}")
+    ranks = calibrate.measure(devices, ("fp32", "bf16"))
+    facts = rundir.machine_facts()
+    name = _device_name(accelerator, facts)
+    doc = calibrate.cluster_document(ranks, devices, name, calibrate.memory_per_rank(devices))
+    calibrate.write_cluster(path, doc, f"{name}, {devices} process(es), commit {facts['git_sha']}")
+    peaks = ", ".join(f"{p} {v / 1e9:,.1f} GFLOP/s" for p, v in doc["device"]["peak_flops"].items())
+    print(
+        f"wrote {path}: {devices} x {name}: {peaks}, memory {doc['device']['memory_bandwidth'] / 1e9:.1f} GB/s, "
+        f"all-reduce {doc['intra_node_bandwidth'] / 1e9:.2f} GB/s, CPU Adam {doc['cpu_adam_rate'] / 1e6:.0f}M params/s"
+    )
+    print(f"plan with it: llmtrain plan --cluster {path} --preset ... --precision ...")
+
+
+def _local_devices(accelerator: str) -> int:
+    import torch
+
+    return torch.cuda.device_count() if accelerator == "cuda" else (os.cpu_count() or 1)
+
+
+def _device_name(accelerator: str, facts: dict[str, Any]) -> str:
+    if accelerator == "cuda":
+        import torch
+
+        return str(torch.cuda.get_device_name(0))
+    return f"{facts['cpu_model'] or 'CPU'} (a process's share)"
 
 
 def _lock_wait_option(default: str) -> Any:

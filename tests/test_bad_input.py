@@ -260,6 +260,11 @@ CASES: dict[str, Case] = {
         "plan --gpu h100 --gpus 16", "--gpus: 16 per node, but a H100 SXM node has 8"
     ),
     "plan-cluster-missing": Case("plan --cluster {w}/none.yaml", "--cluster {w}/none.yaml: cannot read"),
+    "plan-calibrate-with-gpu": Case(
+        "plan --calibrate {w}/c.yaml --gpu h100",
+        "--calibrate: measures this machine; give it without --gpu and --cluster",
+        ("c.yaml",),
+    ),
     "plan-nothing-fits": Case(
         "plan --preset 70b --gpu a100-40gb --offload none --seq-len 4096 --global-batch 64",
         "no layout fits 8 x A100 40GB (40.00 GiB each); smallest change that fits: --nodes 8 (64 GPUs)",

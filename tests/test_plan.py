@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from llmtrain.calibrate import fit_matmul
 from llmtrain.cli import main
+from llmtrain.planning.hardware import load_cluster
 
 REQUEST = ["--preset", "7b", "--seq-len", "4096", "--global-batch", "256", "--gpu", "h100", "--nodes", "2"]
 
@@ -135,3 +137,31 @@ def test_the_planning_verbs_build_no_model_and_import_no_torch(argv: list[str], 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "RESULT 0 False False False" in out
     assert printed in out
+
+
+def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two processes side by side measure matmuls, memory, an all-reduce and CPU Adam (about 20 s)."""
+    path = tmp_path / "here.yaml"
+    assert main(["plan", "--calibrate", str(path), "--gpus", "2"]) == 0
+    assert f"wrote {path}: 2 x " in capsys.readouterr().out
+    assert path.read_text().startswith("# measured by llmtrain plan --calibrate: ")
+    cluster = load_cluster(path)
+    assert (cluster.devices_per_node, cluster.nodes) == (2, 1)
+    assert cluster.device.peak("fp32") > 1e8 and cluster.device.peak("bf16") > 0  # any CPU: > 0.1 GFLOP/s
+    assert 0 < cluster.device.attention_efficiency <= 1 and cluster.device.matmul_overhead_s >= 0
+    assert cluster.intra_node_bandwidth > 0 and cluster.cpu_adam_rate > 0
+    doc = _plan(
+        capsys, "--preset", "debug", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8"
+    )
+    assert doc["rows"] and doc["cluster"]["devices_per_node"] == 2
+    assert main(["plan", "--calibrate", str(path)]) == 2  # never replaces a file
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_the_matmul_curve_is_fitted_back_from_its_own_points() -> None:
+    made = {d: 2 * d**3 / (20e-6 + 2 * d**3 / 100e9) for d in (64, 128, 256, 512, 1024)}
+    peak, overhead = fit_matmul(made)
+    assert peak == pytest.approx(100e9, rel=1e-6) and overhead == pytest.approx(20e-6, rel=1e-6)
+    assert fit_matmul({64: 5e10, 256: 5e10, 1024: 5e10}) == (pytest.approx(5e10), pytest.approx(0, abs=1e-15))

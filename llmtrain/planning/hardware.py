@@ -42,6 +42,7 @@ class Device:
     memory_bandwidth: float  # bytes/s
     matmul_efficiency: float = 0.8
     matmul_half_dim: int = 512
+    matmul_overhead_s: float = 0.0  # fixed seconds per product (dispatch, launch): what small ones pay
     attention_efficiency: float = 0.5
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -257,6 +258,7 @@ def _device_from(spec: Any, base: Cluster | None, where: str) -> Device:
 
 
 _WHOLE_NUMBERS = ("devices_per_node", "nodes", "matmul_half_dim")
+_MAY_BE_ZERO = ("matmul_overhead_s", "intra_node_latency", "inter_node_latency")
 
 
 def _number(where: str, key: str, value: Any) -> Any:
@@ -268,7 +270,7 @@ def _number(where: str, key: str, value: Any) -> Any:
             raise ValueError(value)
         number = parse_bytes(value) if name == "memory_bytes" else float(value)
     except (TypeError, ValueError):
-        number = 0
-    if number <= 0:
+        number = -1
+    if number < 0 or (number == 0 and name not in _MAY_BE_ZERO):
         raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
     return int(number) if name in (*_WHOLE_NUMBERS, "memory_bytes") else number

@@ -7,7 +7,8 @@ precision, micro-batch and accumulation as DeepSpeed's dict has them) and from t
 
 * Compute: the rank's matmul FLOPs (6 per weight per token, + 2 for each recomputed block) at the
   device's peak times the matmul efficiency, which falls as the smallest matmul dimension shrinks
-  (d / (d + matmul_half_dim)); attention scores and values at the attention efficiency; and the
+  (d / (d + matmul_half_dim)), plus a fixed cost per product (matmul_overhead_s: dispatch, launch);
+  attention scores and values at the attention efficiency; and the
   elementwise kernels (norms, residual adds, rotary, SwiGLU), which move bytes rather than compute, at
   the device's memory bandwidth.
 * Collectives, as ring algorithms move bytes: an all-reduce sends 2 (n - 1) / n of the tensor per rank,
@@ -178,7 +179,9 @@ def _micro_batch_compute(setup: Setup, cluster: Cluster) -> MicroBatchCompute:
     peak = device.peak(setup.precision)
     smallest = min(tokens, attention_width(model) // lay.tp, model.hidden_size)
     efficiency = device.matmul_efficiency * smallest / (smallest + device.matmul_half_dim)
-    matmul = matmul_flops / (peak * efficiency)
+    # Each block multiplies 7 weights forward, 14 products backward, 7 more when recomputed; the head 3.
+    products = 21 * span.blocks + 7 * recomputed + (3 if span.head else 0)
+    matmul = matmul_flops / (peak * efficiency) + products * device.matmul_overhead_s
     attention = attention_flops / (peak * device.attention_efficiency)
     elementwise = elementwise_bytes / device.memory_bandwidth
     return MicroBatchCompute(matmul, attention, elementwise, efficiency)

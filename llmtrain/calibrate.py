@@ -1,0 +1,252 @@
+"""`llmtrain plan --calibrate FILE`: this machine's constants for the time model, measured, as a cluster file.
+
+N processes (one per device a run would use: `--gpus`) run side by side as a run's ranks do, on the
+accelerator llmtrain would pick, each measuring what one rank gets while the others work too:
+
+* matmul throughput per precision and size (square products of 64 to 1024): a peak and a fixed cost
+  per product are fitted to them (a CPU's small products pay threading and dispatch, a GPU's a kernel
+  launch);
+* memory bandwidth (a 256 MB copy, read and written);
+* attention (scaled dot-product attention, forward and backward, causal) as a share of the peak;
+* an all-reduce of 16 MB and of one element over the N ranks (the collective backend llmtrain uses):
+  the bus bandwidth and the latency of a ring step;
+* DeepSpeed's CPU Adam over 4M parameters on every rank at once: a node's update rate.
+
+The file is a complete cluster (`devices_per_node` = N, one node); each number's source names the
+measurement. Seconds, not minutes: every measurement is a few repetitions after a warm-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MATMUL_SIZES = (64, 128, 256, 512, 1024)
+ALLREDUCE_BYTES = 16 << 20
+COPY_BYTES = 256 << 20
+ADAM_PARAMETERS = 4_000_000
+REPEATS = 5
+
+
+def _seconds(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
+    """The median of `repeats` timed calls after one untimed warm-up (a GPU synchronised around each)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_rank(precisions: tuple[str, ...], device: Any) -> dict[str, Any]:
+    """What one rank measures on `device` while the others measure too (its process group is up)."""
+    import torch
+    import torch.distributed as dist
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    matmul: dict[str, dict[int, float]] = {}
+    for name in precisions:
+        matmul[name] = {}
+        for n in MATMUL_SIZES:
+            a, b = (torch.randn(n, n, dtype=dtypes[name], device=device) for _ in range(2))
+            dist.barrier()
+            matmul[name][n] = 2 * n**3 / _seconds(functools.partial(torch.matmul, a, b))
+    source = torch.empty(COPY_BYTES // 4, device=device)
+    target = torch.empty_like(source)
+    dist.barrier()
+    bandwidth = 2 * COPY_BYTES / _seconds(lambda: target.copy_(source))
+    return {
+        "matmul": matmul,
+        "memory_bandwidth": bandwidth,
+        "attention": {name: _attention_flops(dtypes[name], device) for name in precisions},
+        "allreduce": _allreduce(device),
+        "adam_rate": _adam_rate(),
+    }
+
+
+def _attention_flops(dtype: Any, device: Any) -> float:
+    """FLOP/s of causal scaled dot-product attention forward + backward (12 per width per key pair,
+    halved for the mask: what the time model counts, at batch 1, 8 heads of 64, 512 tokens)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    heads, seq, width = 8, 512, 64
+    q, k, v = (
+        torch.randn(1, heads, seq, width, dtype=dtype, device=device, requires_grad=True) for _ in range(3)
+    )
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    dist.barrier()
+    return 12 * heads * width * seq * seq / 2 / _seconds(step)
+
+
+def _allreduce(device: Any) -> dict[str, float]:
+    """Bus bandwidth (bytes/s, as a ring moves them) and seconds per ring step, over every rank."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    if n == 1:
+        return {}
+    big, small = torch.ones(ALLREDUCE_BYTES // 4, device=device), torch.ones(1, device=device)
+    steps = 2 * (n - 1)
+    seconds = _seconds(lambda: dist.all_reduce(big))
+    latency = _seconds(lambda: dist.all_reduce(small), repeats=20) / steps
+    return {
+        "bus_bandwidth": ALLREDUCE_BYTES * steps / n / max(seconds - steps * latency, 1e-9),
+        "latency": latency,
+    }
+
+
+def _adam_rate() -> float:
+    """Parameters per second DeepSpeed's CPU Adam updates on this rank while every rank updates."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    parameter = torch.nn.Parameter(torch.zeros(ADAM_PARAMETERS))
+    parameter.grad = torch.ones_like(parameter)
+    optimizer = DeepSpeedCPUAdam([parameter], lr=1e-3)
+    dist.barrier()
+    return ADAM_PARAMETERS / _seconds(optimizer.step)
+
+
+def fit_matmul(throughput: dict[int, float]) -> tuple[float, float]:
+    """(peak FLOP/s, seconds of overhead per product) with which a square product of size d takes
+    overhead + 2 d^3 / peak, fitted to the measured sizes by least squares in relative error (each
+    size's time weighted by its inverse). A peak no fit can give (the small products as fast per FLOP
+    as the large) falls back to the best measured and no overhead."""
+    flops = {d: 2 * d**3 for d in throughput}
+    times = {d: flops[d] / rate for d, rate in throughput.items()}
+    # Weighted least squares of t = c + F / peak with weights 1 / t^2: the normal equations.
+    w = {d: 1 / times[d] ** 2 for d in times}
+    sw = sum(w.values())
+    sx, sy = sum(w[d] * flops[d] for d in w), sum(w[d] * times[d] for d in w)
+    sxx, sxy = sum(w[d] * flops[d] ** 2 for d in w), sum(w[d] * flops[d] * times[d] for d in w)
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det else 0.0
+    overhead = (sy - slope * sx) / sw
+    if slope <= 0:
+        return max(throughput.values()), 0.0
+    return 1 / slope, max(overhead, 0.0)
+
+
+def cluster_document(
+    ranks: list[dict[str, Any]], devices: int, device_name: str, memory_bytes: int
+) -> dict[str, Any]:
+    """The cluster file from every rank's measurements: the slowest rank's figure of each (a step waits
+    for the slowest), each with its measurement as the source."""
+    precisions = list(ranks[0]["matmul"])
+    slowest = {
+        p: {d: min(r["matmul"][p][d] for r in ranks) for d in ranks[0]["matmul"][p]} for p in precisions
+    }
+    fits = {p: fit_matmul(slowest[p]) for p in precisions}
+    first = precisions[0]  # fp32: the curve's shape and attention's share are read in it
+    attention = min(min(r["attention"][first] for r in ranks) / fits[first][0], 1.0)
+    bandwidth = min(r["memory_bandwidth"] for r in ranks)
+    device = {
+        "name": device_name,
+        "peak_flops": {p: float(f"{fit[0]:.4g}") for p, fit in fits.items()},
+        "memory_bytes": memory_bytes,
+        "memory_bandwidth": float(f"{bandwidth:.4g}"),
+        "matmul_efficiency": 1.0,
+        "matmul_half_dim": 1,
+        "matmul_overhead_s": float(f"{fits[first][1]:.3g}"),
+        "attention_efficiency": round(attention, 3),
+    }
+    doc: dict[str, Any] = {
+        "devices_per_node": devices,
+        "nodes": 1,
+        "device": device,
+        "host_bandwidth": device["memory_bandwidth"],
+        "cpu_adam_rate": float(f"{sum(r['adam_rate'] for r in ranks):.4g}"),
+        "link_efficiency": 1.0,
+    }
+    links = [r["allreduce"] for r in ranks if r["allreduce"]]
+    if links:
+        bus = min(link["bus_bandwidth"] for link in links)
+        latency = max(link["latency"] for link in links)
+        doc |= {
+            "intra_node_bandwidth": float(f"{bus:.4g}"),
+            "inter_node_bandwidth": float(f"{bus:.4g}"),  # one node measured: loopback, as between nodes here
+            "intra_node_latency": float(f"{latency:.3g}"),
+            "inter_node_latency": float(f"{latency:.3g}"),
+        }
+    else:
+        doc |= {"intra_node_bandwidth": doc["host_bandwidth"], "inter_node_bandwidth": doc["host_bandwidth"]}
+    return doc
+
+
+def memory_per_rank(devices: int) -> int:
+    """This machine's memory shared by the ranks (a CPU run's ranks share the host's)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total // devices)
+
+
+def write_cluster(path: Path, doc: dict[str, Any], what: str) -> None:
+    """The cluster file, headed by what measured it (`what`: the machine and the process count)."""
+    import yaml
+
+    from llmtrain.fsutil import write_atomic
+
+    write_atomic(
+        path, f"# measured by llmtrain plan --calibrate: {what}\n" + yaml.safe_dump(doc, sort_keys=False)
+    )
+
+
+def _worker(rank: int, devices: int, port: int, precisions: tuple[str, ...], queue: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(devices), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=devices)
+    try:
+        measured = measure_rank(precisions, device)
+        gathered: list[Any] = [None] * devices
+        dist.all_gather_object(gathered, measured)
+        if rank == 0:
+            queue.put(gathered)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def measure(devices: int, precisions: tuple[str, ...], timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Every rank's measurements, from `devices` processes run side by side."""
+    import multiprocessing as mp
+
+    from llmtrain.parallel.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, devices, port, precisions, queue)) for r in range(devices)]
+    for proc in procs:
+        proc.start()
+    try:
+        ranks: list[dict[str, Any]] = queue.get(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return ranks
