@@ -336,6 +336,20 @@ def plan_cmd(
         ),
     ] = None,
     top: Annotated[int, typer.Option("--top", help="How many layouts to print.", min=1)] = 5,
+    confirm: Annotated[
+        int,
+        typer.Option(
+            "--confirm",
+            metavar="K",
+            min=0,
+            help="Run the first K layouts here for --confirm-steps steps each and print measured beside "
+            "predicted step time.",
+        ),
+    ] = 0,
+    confirm_steps: Annotated[
+        int,
+        typer.Option("--confirm-steps", min=3, help="Steps of each --confirm run (the first 2 not timed)."),
+    ] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print the rows, term by term, as JSON.")] = False,
 ) -> None:
     """Which layout, and how fast: every layout that fits, ranked by predicted tokens/s. Flags such as
@@ -359,7 +373,11 @@ def plan_cmd(
             f"({human(cluster.device.memory_bytes)} each); smallest change that fits: "
             f"{plan.smallest_change(setup, cluster, pinned)}"
         )
-    doc = report.document(rows, cluster, top, cfg_args)
+    doc = report.document(rows, cluster, max(top, confirm), cfg_args)
+    if confirm:
+        from llmtrain.run.confirm import confirm as run_layouts
+
+        report.add_measured(doc, run_layouts(doc["rows"][:confirm], confirm_steps, setup.cfg.tokens_per_step))
     if json_out:
         print(json.dumps(doc, indent=2))
         return
@@ -370,6 +388,8 @@ def plan_cmd(
         f"{model}: global batch {c.global_batch} x {c.train.seq_len} tokens, {setup.precision}, "
         f"{c.launch.gpus} x {cluster.device.name} per node x {c.launch.nodes} node(s)",
     )
+    if confirm:
+        report.render_confirmed(doc)
 
 
 def _plan_request(cfg_args: dict[str, Any], cluster: Any) -> tuple[Any, Any, dict[str, Any]]:

@@ -17,6 +17,7 @@ import pytest
 from llmtrain.calibrate import fit_matmul
 from llmtrain.cli import main
 from llmtrain.planning.hardware import load_cluster
+from llmtrain.planning.report import spearman
 
 REQUEST = ["--preset", "7b", "--seq-len", "4096", "--global-batch", "256", "--gpu", "h100", "--nodes", "2"]
 
@@ -142,7 +143,8 @@ def test_the_planning_verbs_build_no_model_and_import_no_torch(argv: list[str], 
 def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two processes side by side measure matmuls, memory, an all-reduce and CPU Adam (about 20 s)."""
+    """Two processes side by side measure matmuls, memory, an all-reduce and CPU Adam; the file plans the
+    debug preset and its first two layouts run here (about 45 s in all)."""
     path = tmp_path / "here.yaml"
     assert main(["plan", "--calibrate", str(path), "--gpus", "2"]) == 0
     assert f"wrote {path}: 2 x " in capsys.readouterr().out
@@ -153,9 +155,16 @@ def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
     assert 0 < cluster.device.attention_efficiency <= 1 and cluster.device.matmul_overhead_s >= 0
     assert cluster.intra_node_bandwidth > 0 and cluster.cpu_adam_rate > 0
     doc = _plan(
-        capsys, "--preset", "debug", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8"
-    )
-    assert doc["rows"] and doc["cluster"]["devices_per_node"] == 2
+        capsys, "--preset", "debug", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8",
+        "--confirm", "2", "--confirm-steps", "4",
+    )  # fmt: skip
+    assert doc["cluster"]["devices_per_node"] == 2 and doc["confirmed"]["layouts"] == 2
+    for row in doc["rows"][:2]:  # two real runs of the rows' own commands, 2 timed steps each
+        assert row["measured_step_seconds"] > 0
+        assert row["measured_over_predicted"] == pytest.approx(
+            row["measured_step_seconds"] / row["step_seconds"]
+        )
+    assert "measured_step_seconds" not in doc["rows"][2]
     assert main(["plan", "--calibrate", str(path)]) == 2  # never replaces a file
     assert "already exists" in capsys.readouterr().err
 
@@ -165,3 +174,9 @@ def test_the_matmul_curve_is_fitted_back_from_its_own_points() -> None:
     peak, overhead = fit_matmul(made)
     assert peak == pytest.approx(100e9, rel=1e-6) and overhead == pytest.approx(20e-6, rel=1e-6)
     assert fit_matmul({64: 5e10, 256: 5e10, 1024: 5e10}) == (pytest.approx(5e10), pytest.approx(0, abs=1e-15))
+
+
+def test_spearman_ranks_ties_by_their_mean() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [5, 5, 6]) == pytest.approx(0.8660254)  # ranks 0.5, 0.5, 2

@@ -137,3 +137,76 @@ def render(doc: dict[str, Any], title: str) -> None:
     console.print(table)
     console.print(f"{doc['layouts_that_fit']} layouts fit; run the first with:")
     console.print(f"  {doc['rows'][0]['command']}", soft_wrap=True, highlight=False, markup=False)
+
+
+def add_measured(doc: dict[str, Any], measured: list[float]) -> None:
+    """The confirmed rows' measured step seconds, and how the predictions ranked and erred over them."""
+    for row, seconds in zip(doc["rows"], measured, strict=False):
+        row["measured_step_seconds"] = seconds
+        row["measured_over_predicted"] = seconds / row["step_seconds"]
+    predicted = [row["step_seconds"] for row in doc["rows"][: len(measured)]]
+    errors = sorted(abs(m / p - 1) for m, p in zip(measured, predicted, strict=True))
+    doc["confirmed"] = {
+        "layouts": len(measured),
+        "spearman": spearman(predicted, measured) if len(measured) >= 3 else None,
+        "median_relative_error": errors[len(errors) // 2] if errors else None,
+    }
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    mean_a, mean_b = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - mean_a) * (y - mean_b) for x, y in zip(ra, rb, strict=True))
+    spread = (sum((x - mean_a) ** 2 for x in ra) * sum((y - mean_b) ** 2 for y in rb)) ** 0.5
+    return cov / spread if spread else 0.0
+
+
+def render_confirmed(doc: dict[str, Any]) -> None:
+    """Predicted beside measured step time for the confirmed rows, and the summary line."""
+    from rich.table import Table
+
+    from llmtrain.terminal import console as make_console
+
+    console = make_console()
+    table = Table(title="Predicted against measured on this machine")
+    for column in (
+        "#",
+        "layout",
+        "engine",
+        "micro x accum",
+        "predicted step",
+        "measured step",
+        "measured / predicted",
+    ):
+        table.add_column(column, justify="left" if column in ("layout", "engine") else "right")
+    for i, r in enumerate(doc["rows"], 1):
+        if "measured_step_seconds" not in r:
+            break
+        table.add_row(str(i), r["layout"], _engine(r), f"{r['micro_batch']} x {r['accumulation_steps']}",
+                      f"{r['step_seconds']:.3g} s", f"{r['measured_step_seconds']:.3g} s",
+                      f"{r['measured_over_predicted']:.2f}")  # fmt: skip
+    console.print(table)
+    c = doc["confirmed"]
+    ranked = f"rank correlation {c['spearman']:.2f}, " if c["spearman"] is not None else ""
+    console.print(f"{c['layouts']} layouts run: {ranked}median error {c['median_relative_error']:.0%}")
+
+
+def _engine(row: dict[str, Any]) -> str:
+    return (
+        f"ZeRO {row['zero_stage']}" if row["engine"] == "deepspeed" else f"FSDP2 --zero {row['zero_stage']}"
+    )
