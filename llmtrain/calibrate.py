@@ -6,7 +6,7 @@ accelerator llmtrain would pick, each measuring what one rank gets while the oth
 * matmul throughput per precision and size (square products of 64 to 1024): a peak and a fixed cost
   per product are fitted to them (a CPU's small products pay threading and dispatch, a GPU's a kernel
   launch);
-* memory bandwidth (a 256 MB copy, read and written);
+* memory bandwidth (a 256 MB copy, read and written) and, on a GPU, the host link (pinned host to device);
 * attention (scaled dot-product attention, forward and backward, causal) as a share of the peak;
 * an all-reduce of 16 MB and of one element over the N ranks (the collective backend llmtrain uses):
   the bus bandwidth and the latency of a ring step;
@@ -69,10 +69,25 @@ def measure_rank(precisions: tuple[str, ...], device: Any) -> dict[str, Any]:
     return {
         "matmul": matmul,
         "memory_bandwidth": bandwidth,
+        "host_bandwidth": _host_bandwidth(device),
         "attention": {name: _attention_flops(dtypes[name], device) for name in precisions},
         "allreduce": _allreduce(device),
         "adam_rate": _adam_rate(),
     }
+
+
+def _host_bandwidth(device: Any) -> float | None:
+    """Bytes/s of a 256 MB copy from pinned host memory to a GPU (one direction); None on a CPU, whose
+    host memory is its device memory."""
+    import torch
+    import torch.distributed as dist
+
+    if device.type != "cuda":
+        return None
+    host = torch.empty(COPY_BYTES // 4, pin_memory=True)
+    target = torch.empty_like(host, device=device)
+    dist.barrier()
+    return COPY_BYTES / _seconds(lambda: target.copy_(host, non_blocking=True))
 
 
 def _attention_flops(dtype: Any, device: Any) -> float:
@@ -149,7 +164,7 @@ def cluster_document(
     ranks: list[dict[str, Any]], devices: int, device_name: str, memory_bytes: int
 ) -> dict[str, Any]:
     """The cluster file from every rank's measurements: the slowest rank's figure of each (a step waits
-    for the slowest), each with its measurement as the source."""
+    for the slowest)."""
     precisions = list(ranks[0]["matmul"])
     slowest = {
         p: {d: min(r["matmul"][p][d] for r in ranks) for d in ranks[0]["matmul"][p]} for p in precisions
@@ -172,7 +187,7 @@ def cluster_document(
         "devices_per_node": devices,
         "nodes": 1,
         "device": device,
-        "host_bandwidth": device["memory_bandwidth"],
+        "host_bandwidth": float(f"{_slowest_host_link(ranks) or bandwidth:.4g}"),
         "cpu_adam_rate": float(f"{sum(r['adam_rate'] for r in ranks):.4g}"),
         "link_efficiency": 1.0,
     }
@@ -186,15 +201,23 @@ def cluster_document(
             "intra_node_latency": float(f"{latency:.3g}"),
             "inter_node_latency": float(f"{latency:.3g}"),
         }
-    else:
-        doc |= {"intra_node_bandwidth": doc["host_bandwidth"], "inter_node_bandwidth": doc["host_bandwidth"]}
+    else:  # one process: no link measured; the device's memory stands in, which no collective crosses
+        doc |= {"intra_node_bandwidth": bandwidth, "inter_node_bandwidth": bandwidth}
     return doc
 
 
-def memory_per_rank(devices: int) -> int:
-    """This machine's memory shared by the ranks (a CPU run's ranks share the host's)."""
-    import psutil
+def _slowest_host_link(ranks: list[dict[str, Any]]) -> float | None:
+    links = [r["host_bandwidth"] for r in ranks if r["host_bandwidth"]]
+    return min(links) if links else None
 
+
+def memory_per_rank(devices: int) -> int:
+    """A GPU's memory, or on a CPU the host's shared by the ranks."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
     return int(psutil.virtual_memory().total // devices)
 
 
