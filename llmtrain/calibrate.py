@@ -249,8 +249,9 @@ def _worker(rank: int, devices: int, port: int, precisions: tuple[str, ...], que
         if rank == 0:
             queue.put(gathered)
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
+        from llmtrain.parallel.distributed import shutdown
+
+        shutdown()  # barrier, destroy, and DeepSpeed's shared-memory buffer removed
 
 
 def measure(devices: int, precisions: tuple[str, ...], timeout: float = 600.0) -> list[dict[str, Any]]:

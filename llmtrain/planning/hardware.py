@@ -31,6 +31,39 @@ ASSUMED_ATTENTION = "assumed: the share of peak fused (flash) attention sustains
 ASSUMED_LINK = "assumed: NCCL's bus bandwidth is about 80% of the link's"
 
 
+# Dense (no 2:4 sparsity) BF16 tensor-core peak FLOP/s per device, from the vendors' datasheets.
+# Matched in order as case-insensitive substrings of the CUDA device name, so specific names come
+# first. None marks devices whose peak is not known well enough to report an MFU.
+PEAK_BF16_FLOPS: tuple[tuple[str, float | None], ...] = (
+    ("GH200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # H200 SXM
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # H100 SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", None),  # AWS's A10 variant runs at lower clocks; no published tensor peak
+    ("A10", 125e12),
+    ("A40", 150e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
+)
+
+
+def peak_flops_for_name(device_name: str) -> float | None:
+    """Peak dense BF16 FLOP/s of one device with this (CUDA) name; None when unknown."""
+    lowered = device_name.lower()
+    for fragment, peak in PEAK_BF16_FLOPS:
+        if fragment.lower() in lowered:
+            return peak
+    return None
+
+
 @dataclass(frozen=True)
 class Device:
     """One accelerator. `matmul_efficiency` is the share of peak a large matmul reaches; a matmul whose
@@ -85,6 +118,14 @@ class Cluster:
         )
 
 
+def _bf16_peak(name: str) -> float:
+    """A built-in GPU's dense bf16 peak, from the one table of them."""
+    peak = peak_flops_for_name(name)
+    if peak is None:
+        raise ValueError(f"no bf16 peak for {name!r} in PEAK_BF16_FLOPS")
+    return peak
+
+
 def _gpu(
     name: str,
     peaks: tuple[float, float],
@@ -120,15 +161,35 @@ _NVIDIA_SMI = "GiB as nvidia-smi counts them"
 
 DEVICES: dict[str, Device] = {
     "a100-40gb": _gpu(
-        "A100 40GB", (312e12, 19.5e12), 40 * GiB, 1555e9, _A100_SHARES, DATASHEET_A100, _NVIDIA_SMI
+        "A100 40GB",
+        (_bf16_peak("A100"), 19.5e12),
+        40 * GiB,
+        1555e9,
+        _A100_SHARES,
+        DATASHEET_A100,
+        _NVIDIA_SMI,
     ),
     "a100-80gb": _gpu(
-        "A100 80GB", (312e12, 19.5e12), 80 * GiB, 2039e9, _A100_SHARES, DATASHEET_A100, _NVIDIA_SMI
+        "A100 80GB",
+        (_bf16_peak("A100"), 19.5e12),
+        80 * GiB,
+        2039e9,
+        _A100_SHARES,
+        DATASHEET_A100,
+        _NVIDIA_SMI,
     ),
-    "h100": _gpu("H100 SXM", (989e12, 67e12), 80 * GiB, 3350e9, _H100_SHARES, DATASHEET_H100, _NVIDIA_SMI),
+    "h100": _gpu(
+        "H100 SXM",
+        (_bf16_peak("H100 SXM"), 67e12),
+        80 * GiB,
+        3350e9,
+        _H100_SHARES,
+        DATASHEET_H100,
+        _NVIDIA_SMI,
+    ),
     "h200": _gpu(
         "H200 SXM",
-        (989e12, 67e12),
+        (_bf16_peak("H200 SXM"), 67e12),
         150_109_880_320,
         4800e9,
         _H100_SHARES,

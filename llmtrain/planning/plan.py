@@ -71,11 +71,14 @@ def _fastest(layouts: list[Setup], cluster: Cluster) -> PlanRow | None:
     largest that fits is the fastest (fewer, larger micro-batches: fuller matmuls, fewer ZeRO-3
     gathers); a pipeline trades it against the bubble, which more micro-batches shrink. Memory grows
     with the micro-batch, so a layout whose smallest does not fit is passed over at once."""
-    if not layouts or estimate(layouts[-1]).gpu_peak > cluster.device.memory_bytes:
+    if not layouts:
+        return None
+    smallest = estimate(layouts[-1])
+    if smallest.gpu_peak > cluster.device.memory_bytes:
         return None
     best: PlanRow | None = None
     for candidate in layouts:
-        est = estimate(candidate)
+        est = smallest if candidate is layouts[-1] else estimate(candidate)
         if est.gpu_peak > cluster.device.memory_bytes:
             continue
         row = PlanRow(est, step_time(candidate, cluster))

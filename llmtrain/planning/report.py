@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from llmtrain import config
 from llmtrain.flags import flag_for
 from llmtrain.planning.hardware import Cluster
 from llmtrain.planning.plan import LAYOUT_KEYS, PlanRow
@@ -28,22 +29,7 @@ def train_command(row: PlanRow, cfg_args: dict[str, Any]) -> str:
     for key, value in cfg_args["flags"].items():
         if value is not None and key not in chosen:
             words += _flag(key, value)
-    c = row.setup.cfg
-    values = {
-        "train.engine": c.train.engine,
-        "zero.stage": c.zero.stage,
-        "zero.offload": c.zero.offload,
-        "parallel.tp": c.parallel.tp,
-        "parallel.sp": c.parallel.sp,
-        "parallel.pp": c.parallel.pp,
-        "train.micro_batch": c.train.micro_batch,
-        "train.activation_checkpointing": c.train.activation_checkpointing,
-        "train.global_batch": c.global_batch,
-        "train.seq_len": c.train.seq_len,
-        "train.precision": c.train.precision,
-        "launch.gpus": c.launch.gpus,
-        "launch.nodes": c.launch.nodes,
-    }
+    values = {key: config.get(row.setup.cfg, key) for key in (*LAYOUT_KEYS, *REQUEST_KEYS)}
     for key, value in values.items():
         if not (key.startswith("parallel.") and value == 1):
             words += _flag(key, value)

@@ -41,7 +41,7 @@ from llmtrain.planning.flops import (
 )
 from llmtrain.planning.hardware import Cluster
 from llmtrain.planning.layout import Layout
-from llmtrain.planning.memory.activations import checkpointed_in, rank_tokens
+from llmtrain.planning.memory.activations import hidden_state_bytes, rank_tokens, recomputed_blocks
 from llmtrain.planning.memory.pipeline import StageSpan
 from llmtrain.planning.memory.setup import Setup
 
@@ -109,14 +109,15 @@ def step_time(setup: Setup, cluster: Cluster) -> StepTime:
     micro = _micro_batch_compute(setup, cluster)
     m, pp = setup.accumulation_steps, setup.layout.pp
     sends = _pipeline_send_seconds(setup, cluster)
-    compute = m * micro.total
+    model_parallel = _model_parallel_terms(setup, cluster, m)
     terms = [
-        TimeTerm("compute", compute, micro.note(m)),
-        *_model_parallel_terms(setup, cluster, m),
+        TimeTerm("compute", m * micro.total, micro.note(m)),
+        *model_parallel,
         *_sharding_terms(setup, cluster, micro, m),
     ]
     if pp > 1:
-        slot = micro.total + sends + _per_micro_model_parallel(setup, cluster)
+        # One slot: a micro-batch's compute, its sends and its share of the model-parallel collectives.
+        slot = micro.total + sends + sum(term.seconds for term in model_parallel) / m
         terms += [
             TimeTerm(
                 "pipeline sends", m * sends, f"{m} micro-batches' activations and gradients, stage to stage"
@@ -158,8 +159,7 @@ def _micro_batch_compute(setup: Setup, cluster: Cluster) -> MicroBatchCompute:
     span = _slowest_stage(setup)
     model, lay, device = setup.cfg.model, setup.layout, cluster.device
     tokens, seq = rank_tokens(setup), setup.cfg.train.seq_len
-    t = setup.cfg.train
-    recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
+    recomputed = recomputed_blocks(setup, span.index)
     # 6 FLOPs per weight and token trained, 2 more per recomputed block's weight.
     block_weights = block_matmul_parameters(model, lay.tp)
     head_weights = model.vocab_size * model.hidden_size // lay.tp if span.head else 0
@@ -223,17 +223,13 @@ def _collective_seconds(
     return per_rank / bandwidth + steps * latency
 
 
-def _per_micro_model_parallel(setup: Setup, cluster: Cluster) -> float:
-    return sum(term.seconds for term in _model_parallel_terms(setup, cluster, 1))
-
-
 def _model_parallel_terms(setup: Setup, cluster: Cluster, micro_batches: int) -> list[TimeTerm]:
     """Tensor parallelism's all-reduces and Ulysses' all-to-alls: inside every block, on the critical
     path, for `micro_batches` micro-batches of the slowest stage."""
-    lay, model, t = setup.layout, setup.cfg.model, setup.cfg.train
+    lay, model = setup.layout, setup.cfg.model
     span = _slowest_stage(setup)
-    recomputed = checkpointed_in(span.block_range, t.activation_checkpointing, t.checkpoint_every_k)
-    hidden = setup.lp_bytes * rank_tokens(setup) * model.hidden_size
+    recomputed = recomputed_blocks(setup, span.index)
+    hidden = hidden_state_bytes(setup)
     terms = []
     if lay.tp > 1:
         # Two all-reduces per block forward (after attention, after the MLP), two backward, two per
@@ -257,9 +253,8 @@ def _pipeline_send_seconds(setup: Setup, cluster: Cluster) -> float:
     """One micro-batch's activation forward and gradient back across one stage boundary."""
     if setup.layout.pp == 1:
         return 0.0
-    hidden = setup.lp_bytes * rank_tokens(setup) * setup.cfg.model.hidden_size
     bandwidth, latency, _ = _group_bandwidth(setup.layout, ("pp",), cluster)
-    return 2 * (hidden / bandwidth + latency)
+    return 2 * (hidden_state_bytes(setup) / bandwidth + latency)
 
 
 def _sharding_terms(setup: Setup, cluster: Cluster, micro: MicroBatchCompute, m: int) -> list[TimeTerm]:

@@ -8,7 +8,7 @@ metrics.jsonl holds one JSON object per line:
   `tokens` (cumulative, counting resumed runs), `tokens_per_sec` (over the interval since the previous
   record), `elapsed_s` (training wall time, cumulative across resumes), `skipped` and `spikes`
   (cumulative counts from the stability guard), and `mfu` (a fraction) where the device's peak is known
-  (a GPU in `PEAK_BF16_FLOPS`, or `logging.peak_flops`); a data mixture adds
+  (a GPU in planning.hardware's `PEAK_BF16_FLOPS`, or `logging.peak_flops`); a data mixture adds
   `sources`: `{name: {"tokens": cumulative tokens drawn from it, "epoch": its pass under way, 1 first}}`;
 - an evaluation record: `{"step", "val_loss", "val_ppl"}`; a mixture adds `sources`:
   `{name: {"val_loss": ...}}`, and `val_loss` is the sources' losses weighted by the mixture.
@@ -38,6 +38,7 @@ from llmtrain import rundir, terminal
 from llmtrain.config import TrainConfig, to_dict
 from llmtrain.parallel.node import output_relayed
 from llmtrain.planning.flops import flops_per_token
+from llmtrain.planning.hardware import peak_flops_for_name
 
 if TYPE_CHECKING:
     import torch
@@ -48,39 +49,6 @@ WandbMode = Literal["off", "offline", "online"]
 
 
 # ---------------------------------------------------------------- FLOPs and MFU
-
-
-# Dense (no 2:4 sparsity) BF16 tensor-core peak FLOP/s per device, from the vendors' datasheets.
-# Matched in order as case-insensitive substrings of the CUDA device name, so specific names come
-# first. None marks devices whose peak is not known well enough to report an MFU.
-PEAK_BF16_FLOPS: tuple[tuple[str, float | None], ...] = (
-    ("GH200", 989e12),
-    ("H200 NVL", 835e12),
-    ("H200", 989e12),  # H200 SXM
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # H100 SXM5 ("NVIDIA H100 80GB HBM3")
-    ("H800", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10G", None),  # AWS's A10 variant runs at lower clocks; no published tensor peak
-    ("A10", 125e12),
-    ("A40", 150e12),
-    ("MI300X", 1307e12),
-    ("MI250X", 383e12),
-)
-
-
-def peak_flops_for_name(device_name: str) -> float | None:
-    """Peak dense BF16 FLOP/s of one device with this (CUDA) name; None when unknown."""
-    lowered = device_name.lower()
-    for fragment, peak in PEAK_BF16_FLOPS:
-        if fragment.lower() in lowered:
-            return peak
-    return None
 
 
 def peak_flops(device: torch.device | str | None = None) -> float | None:

@@ -99,7 +99,7 @@ def activation_bytes(setup: Setup, stage: int = 0) -> int:
     b, tokens, doc_mask = setup.lp_bytes, rank_tokens(setup), setup.cfg.data.document_masking
     residual = hidden_state_bytes(setup)
     on_gpu = 0 if t.cpu_checkpointing else checkpointed_input_bytes(setup, stage)
-    blocks = on_gpu + (span.blocks - _recomputed_blocks(setup, stage)) * _layer_bytes(setup)
+    blocks = on_gpu + (span.blocks - recomputed_blocks(setup, stage)) * _layer_bytes(setup)
     # RoPE's cos and sin ([B, T / sp, head_dim] each) and the boolean block-diagonal mask: the model
     # computes them once for all its blocks; a pipeline's blocks each compute their own from the
     # positions (and document ids) passed between stages.
@@ -124,10 +124,10 @@ def checkpointed_input_bytes(setup: Setup, stage: int = 0) -> int:
     per_block = hidden_state_bytes(setup)
     if setup.cfg.train.partition_activations:
         per_block //= setup.layout.tp
-    return _recomputed_blocks(setup, stage) * per_block
+    return recomputed_blocks(setup, stage) * per_block
 
 
-def _recomputed_blocks(setup: Setup, stage: int) -> int:
+def recomputed_blocks(setup: Setup, stage: int) -> int:
     """Blocks of pipeline stage `stage` (the only one without --pp) that activation checkpointing
     recomputes."""
     t = setup.cfg.train
