@@ -19,6 +19,7 @@ measurement. Seconds, not minutes: every measurement is a few repetitions after 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
 import time
@@ -27,26 +28,48 @@ from pathlib import Path
 from typing import Any
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
+# The engines whose own per-step work is measured (a layout maps to one: engine_kind), each at one and two
+# micro-batches per step, on a model of many parameters and few tokens (4 `tiny` blocks, 32 tokens):
+# its step is mostly what the engine does per parameter, not matmuls.
+ENGINE_KINDS = {"zero1": ("deepspeed", 1), "zero3": ("deepspeed", 3), "fsdp2": ("fsdp2", 3)}
+ENGINE_FLAGS = {"preset": "tiny", "model.num_hidden_layers": 4, "train.seq_len": 32, "train.micro_batch": 1,
+                "train.precision": "fp32"}  # fmt: skip
+ENGINE_STEPS = 3
 ALLREDUCE_BYTES = 16 << 20
 COPY_BYTES = 256 << 20
 ADAM_PARAMETERS = 4_000_000
 REPEATS = 5
+WINDOW_S = 0.05
+MAX_CALLS = 10_000
 
 
 def _seconds(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
-    """The median of `repeats` timed calls after one untimed warm-up (a GPU synchronised around each)."""
+    """Seconds per call of `fn`: the median over `repeats` windows of about WINDOW_S each, after one
+    untimed warm-up (a GPU synchronised around each call). A window, not one call: where the ranks
+    outnumber the cores (gloo processes on a CPU) the scheduler hands each a few milliseconds at a
+    time, and one small call timed across another rank's turn reads 100x slow; over a window every
+    rank gets its share, as a run's ranks do over a step. Every rank makes the same number of calls
+    (the most any rank's warm-up asks for), so a collective `fn` stays matched."""
     import torch
+    import torch.distributed as dist
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    started = time.perf_counter()
     fn()
-    times = []
+    sync()
+    wanted = torch.tensor([math.ceil(WINDOW_S / max(time.perf_counter() - started, 1e-6))])
+    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+    calls = int(min(wanted.item(), MAX_CALLS))
+    per_call = []
     for _ in range(repeats):
         sync()
         started = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        per_call.append((time.perf_counter() - started) / calls)
+    return statistics.median(per_call)
 
 
 def measure_rank(precisions: tuple[str, ...], device: Any) -> dict[str, Any]:
@@ -73,6 +96,7 @@ def measure_rank(precisions: tuple[str, ...], device: Any) -> dict[str, Any]:
         "attention": {name: _attention_flops(dtypes[name], device) for name in precisions},
         "allreduce": _allreduce(device),
         "adam_rate": _adam_rate(),
+        "engines": _engine_steps(device),
     }
 
 
@@ -120,7 +144,7 @@ def _allreduce(device: Any) -> dict[str, float]:
     big, small = torch.ones(ALLREDUCE_BYTES // 4, device=device), torch.ones(1, device=device)
     steps = 2 * (n - 1)
     seconds = _seconds(lambda: dist.all_reduce(big))
-    latency = _seconds(lambda: dist.all_reduce(small), repeats=20) / steps
+    latency = _seconds(lambda: dist.all_reduce(small)) / steps
     return {
         "bus_bandwidth": ALLREDUCE_BYTES * steps / n / max(seconds - steps * latency, 1e-9),
         "latency": latency,
@@ -138,6 +162,48 @@ def _adam_rate() -> float:
     optimizer = DeepSpeedCPUAdam([parameter], lr=1e-3)
     dist.barrier()
     return ADAM_PARAMETERS / _seconds(optimizer.step)
+
+
+def engine_config(kind: str, world_size: int, micro_batches: int) -> Any:
+    """The TrainConfig of one engine measurement (the same on every rank, and in cluster_document)."""
+    from llmtrain.config import resolve
+
+    engine, stage = ENGINE_KINDS[kind]
+    flags = {**ENGINE_FLAGS, "train.engine": engine, "zero.stage": stage, "launch.gpus": world_size,
+             "train.global_batch": world_size * micro_batches}  # fmt: skip
+    return resolve(flags=flags)
+
+
+def _engine_steps(device: Any) -> dict[str, dict[int, float]]:
+    """Seconds of one optimizer step of each engine kind at 1 and 2 micro-batches, a real engine of
+    llmtrain's (DeepSpeed's or FSDP2) built as `train` builds it, on random tokens."""
+    import torch.distributed as dist
+
+    from llmtrain.parallel.distributed import World
+
+    n = dist.get_world_size()
+    world = World(dist.get_rank(), dist.get_rank() if device.type == "cuda" else 0, n, device.type)
+    return {kind: {m: _engine_step(kind, m, world) for m in (1, 2)} for kind in ENGINE_KINDS}
+
+
+def _engine_step(kind: str, micro_batches: int, world: Any) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from llmtrain.engine.build import build_engine
+    from llmtrain.engine.build import engine_config as settings
+
+    cfg = engine_config(kind, world.world_size, micro_batches)
+    engine = build_engine(cfg, world, settings(cfg, world))
+    tokens = torch.randint(
+        cfg.model.vocab_size, (1, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
+    batches = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}] * micro_batches
+    dist.barrier()
+    return _seconds(
+        functools.partial(engine.run_step, batches, lambda loss: loss, lambda _l, _n: False),
+        repeats=ENGINE_STEPS,
+    )
 
 
 def fit_matmul(throughput: dict[int, float]) -> tuple[float, float]:
@@ -161,10 +227,10 @@ def fit_matmul(throughput: dict[int, float]) -> tuple[float, float]:
 
 
 def cluster_document(
-    ranks: list[dict[str, Any]], devices: int, device_name: str, memory_bytes: int
+    ranks: list[dict[str, Any]], devices: int, device_name: str, memory_bytes: int, host_cores: int = 0
 ) -> dict[str, Any]:
     """The cluster file from every rank's measurements: the slowest rank's figure of each (a step waits
-    for the slowest)."""
+    for the slowest). `host_cores`: the cores the ranks shared (a CPU), 0 on GPUs."""
     precisions = list(ranks[0]["matmul"])
     slowest = {
         p: {d: min(r["matmul"][p][d] for r in ranks) for d in ranks[0]["matmul"][p]} for p in precisions
@@ -191,6 +257,8 @@ def cluster_document(
         "cpu_adam_rate": float(f"{sum(r['adam_rate'] for r in ranks):.4g}"),
         "link_efficiency": 1.0,
     }
+    if host_cores:
+        doc["host_cores"] = host_cores
     links = [r["allreduce"] for r in ranks if r["allreduce"]]
     if links:
         bus = min(link["bus_bandwidth"] for link in links)
@@ -203,12 +271,46 @@ def cluster_document(
         }
     else:  # one process: no link measured; the device's memory stands in, which no collective crosses
         doc |= {"intra_node_bandwidth": bandwidth, "inter_node_bandwidth": bandwidth}
+    doc["engine_overhead"] = _engine_overhead(ranks, doc)
     return doc
+
+
+def _engine_overhead(ranks: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Seconds per parameter of the rank that each engine kind spends per step and per micro-batch
+    beyond what the time model counts on this cluster (`doc` without them): the measured step (the
+    slowest rank's) minus the predicted, at one and two micro-batches."""
+    import copy
+
+    from llmtrain.planning import memory
+    from llmtrain.planning.hardware import cluster_from_dict
+    from llmtrain.planning.timing import step_time
+
+    cluster = cluster_from_dict(copy.deepcopy(doc), "the calibration")
+    devices = doc["devices_per_node"]
+    overhead = {}
+    for kind in ENGINE_KINDS:
+        residual, params = {}, 0
+        for m in (1, 2):
+            setup = memory.setup_from_config(engine_config(kind, devices, m))
+            measured = max(float(r["engines"][kind][m]) for r in ranks)
+            residual[m], params = measured - step_time(setup, cluster).seconds, setup.rank_params
+        per_micro_batch = max(residual[2] - residual[1], 0.0)
+        per_step = max(residual[1] - per_micro_batch, 0.0)
+        overhead[kind] = {
+            "per_step": float(f"{per_step / params:.3g}"),
+            "per_micro_batch": float(f"{per_micro_batch / params:.3g}"),
+        }
+    return overhead
 
 
 def _slowest_host_link(ranks: list[dict[str, Any]]) -> float | None:
     links = [r["host_bandwidth"] for r in ranks if r["host_bandwidth"]]
     return min(links) if links else None
+
+
+def host_cores() -> int:
+    """The cores this process may run on, which a CPU run's ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def memory_per_rank(devices: int) -> int:
@@ -234,30 +336,43 @@ def write_cluster(path: Path, doc: dict[str, Any], what: str) -> None:
 
 def _worker(rank: int, devices: int, port: int, precisions: tuple[str, ...], queue: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(devices), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # One node: the local rank is the rank (DeepSpeed's engine asks for it, as its launcher sets it).
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(devices))
+    from llmtrain.run.launch import quiet_worker_output
+
+    quiet_worker_output()  # the engines' steps warn as a run's workers would
     import torch
     import torch.distributed as dist
+
+    from llmtrain.parallel.distributed import share_cores
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        share_cores(devices)  # as a run's ranks share them
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=devices)
     try:
         measured = measure_rank(precisions, device)
-        gathered: list[Any] = [None] * devices
-        dist.all_gather_object(gathered, measured)
-        if rank == 0:
-            queue.put(gathered)
-    finally:
-        from llmtrain.parallel.distributed import shutdown
+    except Exception as exc:  # the parent says which rank failed and how, instead of waiting out its timeout
+        queue.put(f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0])
+        raise
+    gathered: list[Any] = [None] * devices
+    dist.all_gather_object(gathered, measured)
+    if rank == 0:
+        queue.put(gathered)
+    from llmtrain.parallel.distributed import shutdown
 
-        shutdown()  # barrier, destroy, and DeepSpeed's shared-memory buffer removed
+    shutdown()  # barrier, destroy, and DeepSpeed's shared-memory buffer removed
 
 
 def measure(devices: int, precisions: tuple[str, ...], timeout: float = 600.0) -> list[dict[str, Any]]:
     """Every rank's measurements, from `devices` processes run side by side."""
     import multiprocessing as mp
+    import queue as queue_module
 
+    from llmtrain.errors import RunFailure
     from llmtrain.parallel.distributed import free_port
 
     ctx = mp.get_context("spawn")
@@ -266,11 +381,18 @@ def measure(devices: int, precisions: tuple[str, ...], timeout: float = 600.0) -
     procs = [ctx.Process(target=_worker, args=(r, devices, port, precisions, queue)) for r in range(devices)]
     for proc in procs:
         proc.start()
+    ranks: list[dict[str, Any]] | str
     try:
-        ranks: list[dict[str, Any]] = queue.get(timeout=timeout)
+        ranks = queue.get(timeout=timeout)
+    except queue_module.Empty:
+        raise RunFailure(
+            f"--calibrate: the {devices} measuring processes did not finish in {timeout:.0f} s"
+        ) from None
     finally:
         for proc in procs:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
+    if isinstance(ranks, str):
+        raise RunFailure(f"--calibrate: a measuring process failed ({ranks})")
     return ranks

@@ -377,7 +377,8 @@ def plan_cmd(
     if confirm:
         from llmtrain.run.confirm import confirm as run_layouts
 
-        report.add_measured(doc, run_layouts(doc["rows"][:confirm], confirm_steps, setup.cfg.tokens_per_step))
+        measured = run_layouts(doc["rows"][:confirm], confirm_steps, setup.cfg.tokens_per_step)
+        report.add_measured(doc, [m.step_seconds for m in measured], [m.peak_memory_bytes for m in measured])
     if json_out:
         print(json.dumps(doc, indent=2))
         return
@@ -427,7 +428,8 @@ def _calibrate(path: Path, gpus: str | None) -> None:
     ranks = calibrate.measure(devices, ("fp32", "bf16"))
     facts = rundir.machine_facts()
     name = _device_name(accelerator, facts)
-    doc = calibrate.cluster_document(ranks, devices, name, calibrate.memory_per_rank(devices))
+    cores = 0 if accelerator == "cuda" else calibrate.host_cores()
+    doc = calibrate.cluster_document(ranks, devices, name, calibrate.memory_per_rank(devices), cores)
     calibrate.write_cluster(path, doc, f"{name}, {devices} process(es), commit {facts['git_sha']}")
     peaks = ", ".join(f"{p} {v / 1e9:,.1f} GFLOP/s" for p, v in doc["device"]["peak_flops"].items())
     print(

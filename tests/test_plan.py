@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 from llmtrain.calibrate import fit_matmul
 from llmtrain.cli import main
 from llmtrain.planning.hardware import load_cluster
-from llmtrain.planning.report import spearman
+from llmtrain.planning.report import add_measured, render_confirmed, spearman
 
 REQUEST = ["--preset", "7b", "--seq-len", "4096", "--global-batch", "256", "--gpu", "h100", "--nodes", "2"]
 
@@ -143,8 +144,8 @@ def test_the_planning_verbs_build_no_model_and_import_no_torch(argv: list[str], 
 def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two processes side by side measure matmuls, memory, an all-reduce and CPU Adam; the file plans the
-    debug preset and its first two layouts run here (about 45 s in all)."""
+    """Two processes side by side measure matmuls, memory, an all-reduce, CPU Adam and three engines'
+    steps; the file plans the debug preset and its first two layouts run here (about 50 s in all)."""
     path = tmp_path / "here.yaml"
     assert main(["plan", "--calibrate", str(path), "--gpus", "2"]) == 0
     assert f"wrote {path}: 2 x " in capsys.readouterr().out
@@ -154,6 +155,10 @@ def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
     assert cluster.device.peak("fp32") > 1e8 and cluster.device.peak("bf16") > 0  # any CPU: > 0.1 GFLOP/s
     assert 0 < cluster.device.attention_efficiency <= 1 and cluster.device.matmul_overhead_s >= 0
     assert cluster.intra_node_bandwidth > 0 and cluster.cpu_adam_rate > 0
+    assert cluster.host_cores == len(os.sched_getaffinity(0))
+    # Each engine kind's own work, measured on a real engine and left over after the modelled terms.
+    assert set(cluster.engine_overhead) == {"zero1", "zero3", "fsdp2"}
+    assert all(0 <= v < 1e-5 for each in cluster.engine_overhead.values() for v in each.values())
     doc = _plan(
         capsys, "--preset", "debug", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8",
         "--confirm", "2", "--confirm-steps", "4",
@@ -180,3 +185,22 @@ def test_spearman_ranks_ties_by_their_mean() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3], [5, 5, 6]) == pytest.approx(0.8660254)  # ranks 0.5, 0.5, 2
+
+
+def test_confirmed_rows_show_the_measured_peak_where_a_gpu_measured_one(
+    plan_7b: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU's runs log their allocator peak; the table puts it beside the estimate (a CPU's has none)."""
+    doc = json.loads(json.dumps(plan_7b))  # the module's plan stays as it was
+    first, second, third = (row["step_seconds"] for row in doc["rows"][:3])
+    add_measured(doc, [2 * first, 3 * second, 4 * third], [30 << 30, None, 20 << 30])
+    assert doc["rows"][0]["measured_peak_bytes"] == 30 << 30 and "measured_peak_bytes" not in doc["rows"][1]
+    assert doc["confirmed"]["layouts"] == 3
+    assert doc["confirmed"]["median_relative_error"] == pytest.approx(2.0)
+    render_confirmed(doc)
+    out = capsys.readouterr().out
+    assert "measured peak" in out and "30.00 GiB" in out and "20.00 GiB" in out
+    on_a_cpu = json.loads(json.dumps(plan_7b))
+    add_measured(on_a_cpu, [first], [None])
+    render_confirmed(on_a_cpu)
+    assert "measured peak" not in capsys.readouterr().out

@@ -104,11 +104,24 @@ class Cluster:
     inter_node_latency: float = 20e-6  # seconds per step of a ring across nodes
     cpu_adam_rate: float = 2e9  # parameters per second one node's CPU Adam updates (all its cores)
     nvme_bandwidth: float = 6e9  # bytes/s one node reads or writes its NVMe swap
+    # The CPU cores a node's devices share, where they are processes on one host's cores (a calibrated
+    # CPU); 0 where each device computes on its own (a GPU).
+    host_cores: int = 0
+    # Seconds per parameter of a rank that each engine kind (timing.engine_kind) spends beyond the
+    # modelled terms, per step and per micro-batch: hooks, bucket copies, flattening. Measured by
+    # plan --calibrate; none where not measured (the built-in GPUs: there it hides under the kernels).
+    engine_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
         return self.devices_per_node * self.nodes
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether a node's devices are more processes than its cores: then one that waits hands its
+        core to another, and a collective's copies compete with the compute for the same cores."""
+        return 0 < self.host_cores < self.devices_per_node
 
     def with_size(self, devices_per_node: int | None = None, nodes: int | None = None) -> Cluster:
         return replace(
@@ -244,6 +257,7 @@ def builtin_cluster(name: str) -> Cluster:
 
 _DEVICE_FIELDS = {f.name for f in fields(Device)} - {"sources"}
 _CLUSTER_FIELDS = {f.name for f in fields(Cluster)} - {"device", "sources"}
+ENGINE_KINDS = ("zero1", "zero3", "fsdp2")
 # What a cluster without a base must say: the links every step's time depends on.
 _OWN_CLUSTER_FIELDS = ("devices_per_node", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth")
 
@@ -276,7 +290,10 @@ def cluster_from_dict(data: dict[str, Any], where: str) -> Cluster:
         )
     base = builtin_cluster(str(base_name)) if base_name is not None else None
     device = _device_from(data.pop("device", None), base, where)
-    values = {key: _number(where, key, value) for key, value in data.items()}
+    overhead = data.pop("engine_overhead", None)
+    values: dict[str, Any] = {key: _number(where, key, value) for key, value in data.items()}
+    if overhead is not None:
+        values["engine_overhead"] = _engine_overhead(overhead, where)
     sources = {**(base.sources if base else {}), **{key: where for key in values}}
     if base is not None:
         return replace(base, device=device, sources=sources, **values)
@@ -284,6 +301,23 @@ def cluster_from_dict(data: dict[str, Any], where: str) -> Cluster:
     if missing:
         raise ConfigError(f"{where}: give {', '.join(missing)} (or base: one of {', '.join(CLUSTERS)})")
     return Cluster(device=device, sources=sources, **values)
+
+
+def _engine_overhead(spec: Any, where: str) -> dict[str, dict[str, float]]:
+    if not isinstance(spec, dict) or not set(spec) <= set(ENGINE_KINDS):
+        raise ConfigError(
+            f"{where}: engine_overhead maps an engine kind ({', '.join(ENGINE_KINDS)}) to per_step and per_micro_batch"
+        )
+    out = {}
+    for kind, each in spec.items():
+        if not isinstance(each, dict) or set(each) != {"per_step", "per_micro_batch"}:
+            raise ConfigError(
+                f"{where}: engine_overhead.{kind} must give per_step and per_micro_batch (seconds per parameter)"
+            )
+        out[kind] = {
+            key: float(_number(where, f"engine_overhead.{kind}.{key}", value)) for key, value in each.items()
+        }
+    return out
 
 
 def _device_from(spec: Any, base: Cluster | None, where: str) -> Device:
@@ -318,8 +352,14 @@ def _device_from(spec: Any, base: Cluster | None, where: str) -> Device:
     )
 
 
-_WHOLE_NUMBERS = ("devices_per_node", "nodes", "matmul_half_dim")
-_MAY_BE_ZERO = ("matmul_overhead_s", "intra_node_latency", "inter_node_latency")
+_WHOLE_NUMBERS = ("devices_per_node", "nodes", "matmul_half_dim", "host_cores")
+_MAY_BE_ZERO = (
+    "matmul_overhead_s",
+    "intra_node_latency",
+    "inter_node_latency",
+    "per_step",
+    "per_micro_batch",
+)
 
 
 def _number(where: str, key: str, value: Any) -> Any:

@@ -125,11 +125,14 @@ def render(doc: dict[str, Any], title: str) -> None:
     console.print(f"  {doc['rows'][0]['command']}", soft_wrap=True, highlight=False, markup=False)
 
 
-def add_measured(doc: dict[str, Any], measured: list[float]) -> None:
-    """The confirmed rows' measured step seconds, and how the predictions ranked and erred over them."""
-    for row, seconds in zip(doc["rows"], measured, strict=False):
+def add_measured(doc: dict[str, Any], measured: list[float], peaks: list[int | None]) -> None:
+    """The confirmed rows' measured step seconds (and, where a GPU measured it, peak memory), and how
+    the predictions ranked and erred over them."""
+    for row, seconds, peak in zip(doc["rows"], measured, peaks, strict=False):
         row["measured_step_seconds"] = seconds
         row["measured_over_predicted"] = seconds / row["step_seconds"]
+        if peak is not None:
+            row["measured_peak_bytes"] = peak
     predicted = [row["step_seconds"] for row in doc["rows"][: len(measured)]]
     errors = sorted(abs(m / p - 1) for m, p in zip(measured, predicted, strict=True))
     doc["confirmed"] = {
@@ -170,7 +173,9 @@ def render_confirmed(doc: dict[str, Any]) -> None:
 
     console = make_console()
     table = Table(title="Predicted against measured on this machine")
-    for column in (
+    rows = [r for r in doc["rows"] if "measured_step_seconds" in r]
+    peaks = any("measured_peak_bytes" in r for r in rows)
+    columns = [
         "#",
         "layout",
         "engine",
@@ -178,14 +183,18 @@ def render_confirmed(doc: dict[str, Any]) -> None:
         "predicted step",
         "measured step",
         "measured / predicted",
-    ):
+    ]
+    columns += ["predicted peak", "measured peak"] if peaks else []
+    for column in columns:
         table.add_column(column, justify="left" if column in ("layout", "engine") else "right")
-    for i, r in enumerate(doc["rows"], 1):
-        if "measured_step_seconds" not in r:
-            break
-        table.add_row(str(i), r["layout"], _engine(r), f"{r['micro_batch']} x {r['accumulation_steps']}",
-                      f"{r['step_seconds']:.3g} s", f"{r['measured_step_seconds']:.3g} s",
-                      f"{r['measured_over_predicted']:.2f}")  # fmt: skip
+    for i, r in enumerate(rows, 1):
+        cells = [str(i), r["layout"], _engine(r), f"{r['micro_batch']} x {r['accumulation_steps']}",
+                 f"{r['step_seconds']:.3g} s", f"{r['measured_step_seconds']:.3g} s",
+                 f"{r['measured_over_predicted']:.2f}"]  # fmt: skip
+        if peaks:
+            measured_peak = r.get("measured_peak_bytes")
+            cells += [human(r["gpu_peak_bytes"]), human(measured_peak) if measured_peak is not None else "-"]
+        table.add_row(*cells)
     console.print(table)
     c = doc["confirmed"]
     ranked = f"rank correlation {c['spearman']:.2f}, " if c["spearman"] is not None else ""

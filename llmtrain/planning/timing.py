@@ -122,14 +122,25 @@ def step_time(setup: Setup, cluster: Cluster) -> StepTime:
             TimeTerm(
                 "pipeline sends", m * sends, f"{m} micro-batches' activations and gradients, stage to stage"
             ),
-            TimeTerm(
-                "pipeline bubble",
-                (pp - 1) * slot,
-                f"{pp - 1} of {m + pp - 1} slots idle while it fills and drains",
-            ),
+            _bubble(setup, cluster, slot),
         ]
     terms += _optimizer_terms(setup, cluster)
+    terms += _engine_overhead(setup, cluster)
     return StepTime(setup, cluster, tuple(t for t in terms if t.seconds > 0))
+
+
+def _bubble(setup: Setup, cluster: Cluster, slot: float) -> TimeTerm:
+    """The pp - 1 slots each stage idles while the pipeline fills and drains. Where the devices are
+    processes sharing a host's cores, an idle stage's cores go to the stages at work: only the cores
+    that one stage's ranks cannot fill are lost."""
+    m, pp = setup.accumulation_steps, setup.layout.pp
+    note = f"{pp - 1} of {m + pp - 1} slots idle while it fills and drains"
+    lost = 1.0
+    if cluster.shares_cores:
+        working = cluster.devices_per_node // pp  # a node's ranks of one stage
+        lost = max(0.0, 1 - working / cluster.host_cores)
+        note += f"; {lost:.0%} of it lost, the idle ranks' {cluster.host_cores} cores going to the others"
+    return TimeTerm("pipeline bubble", (pp - 1) * slot * lost, note)
 
 
 # ---------------------------------------------------------------- compute
@@ -264,6 +275,8 @@ def _sharding_terms(setup: Setup, cluster: Cluster, micro: MicroBatchCompute, m:
     if found is None:
         return []
     comm, what, overlaps = found
+    # Sharing cores, a collective's copies take the same cores as the compute: nothing overlaps.
+    overlaps = overlaps and not cluster.shares_cores
     hidden = min(comm, OVERLAP[setup.engine] * m * micro.total) if overlaps else 0.0
     note = (
         f"{what}; {hidden * 1e3:.3g} ms of it hidden under compute" if overlaps else f"{what}, after backward"
@@ -299,6 +312,27 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
         comm = m * seconds("reduce-scatter", accum) + gather
         return comm, f"{m} reduce-scatters under backward, 1 all-gather", True
     return seconds("reduce-scatter", accum) + gather, "1 reduce-scatter and 1 all-gather", False
+
+
+# ---------------------------------------------------------------- the engine's own work
+
+
+def engine_kind(setup: Setup) -> str:
+    """The calibrated engine a layout runs on: FSDP2, DeepSpeed's ZeRO 3, or DeepSpeed at ZeRO 0-2
+    (the pipeline engine included), whose per-parameter work is alike."""
+    if setup.engine == "fsdp2":
+        return "fsdp2"
+    return "zero3" if setup.stage == 3 else "zero1"
+
+
+def _engine_overhead(setup: Setup, cluster: Cluster) -> list[TimeTerm]:
+    measured = cluster.engine_overhead.get(engine_kind(setup))
+    if not measured:
+        return []
+    m = setup.accumulation_steps
+    seconds = (measured["per_step"] + m * measured["per_micro_batch"]) * setup.rank_params
+    note = f"{engine_kind(setup)}'s own work per parameter, per step and per micro-batch, as calibrated"
+    return [TimeTerm("engine overhead", seconds, note)]
 
 
 # ---------------------------------------------------------------- optimizer

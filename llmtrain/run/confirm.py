@@ -3,6 +3,8 @@
 
 Each run logs every step; its step time is the median, over the steps after the first two (start-up:
 the first step builds buffers and warms caches), of the tokens of one step over the step's tokens/s.
+On a GPU the run also logs the most memory any rank's tensors held (`peak_memory_bytes`), measured
+beside the estimator's peak; a CPU has no allocator peak to read.
 The runs go into a scratch directory that is removed afterwards, one after another (they would share
 the machine's cores otherwise).
 """
@@ -15,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +28,20 @@ WARM_UP_STEPS = 2
 RUN_TIMEOUT_S = 1800.0
 
 
-def confirm(rows: list[dict[str, Any]], steps: int, tokens_per_step: int) -> list[float]:
-    """The measured step seconds of each row (a `report.document` row), in order."""
+@dataclass(frozen=True)
+class Measured:
+    step_seconds: float
+    peak_memory_bytes: int | None  # None on a CPU
+
+
+def confirm(rows: list[dict[str, Any]], steps: int, tokens_per_step: int) -> list[Measured]:
+    """What each row (a `report.document` row) measured, in order."""
     with tempfile.TemporaryDirectory(prefix="llmtrain-confirm-") as scratch:
         return [_measure(row["command"], Path(scratch) / f"layout-{i}", steps, tokens_per_step)
                 for i, row in enumerate(rows)]  # fmt: skip
 
 
-def _measure(command: str, run_dir: Path, steps: int, tokens_per_step: int) -> float:
+def _measure(command: str, run_dir: Path, steps: int, tokens_per_step: int) -> Measured:
     words = shlex.split(command)[2:]  # the row's flags, after `llmtrain train`
     never = str(steps * 1000)  # no evaluation or checkpoint inside the measured steps
     cmd = [sys.executable, "-m", "llmtrain", "train", *words, "--steps", str(steps), "--run-dir", str(run_dir),
@@ -45,4 +54,5 @@ def _measure(command: str, run_dir: Path, steps: int, tokens_per_step: int) -> f
     rates = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r and r["step"] > WARM_UP_STEPS]
     if not rates:
         raise RunFailure(f"--confirm: the run of `{command}` logged no step after the first {WARM_UP_STEPS}")
-    return tokens_per_step / statistics.median(rates)
+    peaks = [r["peak_memory_bytes"] for r in records if r.get("peak_memory_bytes") is not None]
+    return Measured(tokens_per_step / statistics.median(rates), max(peaks) if peaks else None)

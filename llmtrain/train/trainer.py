@@ -363,6 +363,7 @@ class Trainer:
             self.metrics.warn(f"step {self.counters.step}: {result.verdict.reason} ({action})")
         step = self.counters.step
         if step % self.cfg.logging.log_every == 0 or step == self.total_steps or step == 1:
+            peak = distributed.device_peak_bytes(self.world)  # every rank: a collective on a GPU
             self.metrics.log_step(
                 step,
                 loss=result.loss,
@@ -372,6 +373,7 @@ class Trainer:
                 skipped=self.guard.skipped_total,
                 spikes=self.guard.spikes_total,
                 sources=self.loader.source_stats(),
+                **({} if peak is None else {"peak_memory_bytes": peak}),
             )
 
     def maybe_evaluate(self) -> None:
