@@ -99,7 +99,7 @@ def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench confirm")
-    parser.add_argument("--steps", type=int, default=8, help="steps of each run (the first 2 not timed)")
+    parser.add_argument("--steps", type=int, default=10, help="steps of each run (the first 2 not timed)")
     args = parser.parse_args([] if argv is None else argv)  # python -m bench: the defaults
     with tempfile.TemporaryDirectory(prefix="bench-confirm-") as scratch:
         cluster = Path(scratch) / "cpu.yaml"

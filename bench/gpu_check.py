@@ -151,13 +151,18 @@ def _tiny_run(stage: int, precision: str, root: Path) -> dict[str, Any]:
     result.update(stage=stage, precision=precision, steps=train[-1]["step"] if train else 0)
     if train:
         result.update(first_loss=train[0]["loss"], last_loss=train[-1]["loss"], skipped=train[-1]["skipped"])
+        # The allocator peak a GPU run logs (plan --confirm sets it beside the estimate).
+        result["peak_memory_bytes"] = train[-1].get("peak_memory_bytes")
     last = result.get("last_loss")
+    peak = result.get("peak_memory_bytes")
     result["ok"] = (
         result["rc"] == 0
         and result["steps"] == TINY_STEPS
         and isinstance(last, float)
         and math.isfinite(last)
         and last < result["first_loss"]
+        and isinstance(peak, int)
+        and peak > 0
     )
     return result
 

@@ -31,11 +31,21 @@ MATMUL_SIZES = (64, 128, 256, 512, 1024)
 # The engines whose own per-step work is measured (a layout maps to one: engine_kind), each at one and two
 # micro-batches per step, on a model of many parameters and few tokens (4 `tiny` blocks, 32 tokens):
 # its step is mostly what the engine does per parameter, not matmuls.
-ENGINE_KINDS = {"zero1": ("deepspeed", 1), "zero3": ("deepspeed", 3), "fsdp2": ("fsdp2", 3)}
+# "tp" is ZeRO 1 over llmtrain's tensor-parallel layers (tp 2), whose own autograd functions add work per
+# block; it is built last (DeepSpeed keeps a process's tp group for good) and only on an even count.
+ENGINE_KINDS = {
+    "zero1": ("deepspeed", 1),
+    "zero3": ("deepspeed", 3),
+    "fsdp2": ("fsdp2", 3),
+    "tp": ("deepspeed", 1),
+}
 ENGINE_FLAGS = {"preset": "tiny", "model.num_hidden_layers": 4, "train.seq_len": 32, "train.micro_batch": 1,
                 "train.precision": "fp32"}  # fmt: skip
 ENGINE_STEPS = 3
 ALLREDUCE_BYTES = 16 << 20
+# The compute each CPU collective follows: a 1024-square fp32 product, tens of milliseconds per rank,
+# about what a block of a small model computes between two of its collectives.
+LOADED_MATMUL = 1024
 COPY_BYTES = 256 << 20
 ADAM_PARAMETERS = 4_000_000
 REPEATS = 5
@@ -134,7 +144,10 @@ def _attention_flops(dtype: Any, device: Any) -> float:
 
 
 def _allreduce(device: Any) -> dict[str, float]:
-    """Bus bandwidth (bytes/s, as a ring moves them) and seconds per ring step, over every rank."""
+    """Bus bandwidth (bytes/s, as a ring moves them) and seconds per ring step, over every rank. On a
+    CPU each collective follows a stretch of compute, as in a step, and is timed as what it adds to
+    that compute: there its copies compete with the other ranks' compute for the cores, and a rank
+    waits for peers the scheduler has not run yet (measured: 2.5x an all-reduce timed alone)."""
     import torch
     import torch.distributed as dist
 
@@ -143,8 +156,14 @@ def _allreduce(device: Any) -> dict[str, float]:
         return {}
     big, small = torch.ones(ALLREDUCE_BYTES // 4, device=device), torch.ones(1, device=device)
     steps = 2 * (n - 1)
-    seconds = _seconds(lambda: dist.all_reduce(big))
-    latency = _seconds(lambda: dist.all_reduce(small)) / steps
+    work: Callable[[], Any] = lambda: None  # noqa: E731
+    if device.type == "cpu":
+        a = torch.randn(LOADED_MATMUL, LOADED_MATMUL)
+        work = functools.partial(torch.matmul, a, a)
+    alone = _seconds(work)
+    seconds = _seconds(lambda: (work(), dist.all_reduce(big))) - alone
+    latency = (_seconds(lambda: (work(), dist.all_reduce(small))) - alone) / steps
+    latency = max(latency, 0.0)
     return {
         "bus_bandwidth": ALLREDUCE_BYTES * steps / n / max(seconds - steps * latency, 1e-9),
         "latency": latency,
@@ -169,8 +188,9 @@ def engine_config(kind: str, world_size: int, micro_batches: int) -> Any:
     from llmtrain.config import resolve
 
     engine, stage = ENGINE_KINDS[kind]
+    tp = 2 if kind == "tp" else 1
     flags = {**ENGINE_FLAGS, "train.engine": engine, "zero.stage": stage, "launch.gpus": world_size,
-             "train.global_batch": world_size * micro_batches}  # fmt: skip
+             "parallel.tp": tp, "train.global_batch": world_size // tp * micro_batches}  # fmt: skip
     return resolve(flags=flags)
 
 
@@ -183,7 +203,8 @@ def _engine_steps(device: Any) -> dict[str, dict[int, float]]:
 
     n = dist.get_world_size()
     world = World(dist.get_rank(), dist.get_rank() if device.type == "cuda" else 0, n, device.type)
-    return {kind: {m: _engine_step(kind, m, world) for m in (1, 2)} for kind in ENGINE_KINDS}
+    kinds = [kind for kind in ENGINE_KINDS if kind != "tp" or n % 2 == 0]
+    return {kind: {m: _engine_step(kind, m, world) for m in (1, 2)} for kind in kinds}
 
 
 def _engine_step(kind: str, micro_batches: int, world: Any) -> float:
@@ -288,7 +309,7 @@ def _engine_overhead(ranks: list[dict[str, Any]], doc: dict[str, Any]) -> dict[s
     cluster = cluster_from_dict(copy.deepcopy(doc), "the calibration")
     devices = doc["devices_per_node"]
     overhead = {}
-    for kind in ENGINE_KINDS:
+    for kind in ranks[0]["engines"]:
         residual, params = {}, 0
         for m in (1, 2):
             setup = memory.setup_from_config(engine_config(kind, devices, m))

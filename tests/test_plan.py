@@ -157,7 +157,7 @@ def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
     assert cluster.intra_node_bandwidth > 0 and cluster.cpu_adam_rate > 0
     assert cluster.host_cores == len(os.sched_getaffinity(0))
     # Each engine kind's own work, measured on a real engine and left over after the modelled terms.
-    assert set(cluster.engine_overhead) == {"zero1", "zero3", "fsdp2"}
+    assert set(cluster.engine_overhead) == {"zero1", "zero3", "fsdp2", "tp"}
     assert all(0 <= v < 1e-5 for each in cluster.engine_overhead.values() for v in each.values())
     doc = _plan(
         capsys, "--preset", "debug", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8",

@@ -257,7 +257,7 @@ def builtin_cluster(name: str) -> Cluster:
 
 _DEVICE_FIELDS = {f.name for f in fields(Device)} - {"sources"}
 _CLUSTER_FIELDS = {f.name for f in fields(Cluster)} - {"device", "sources"}
-ENGINE_KINDS = ("zero1", "zero3", "fsdp2")
+ENGINE_KINDS = ("zero1", "zero3", "fsdp2", "tp")
 # What a cluster without a base must say: the links every step's time depends on.
 _OWN_CLUSTER_FIELDS = ("devices_per_node", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth")
 

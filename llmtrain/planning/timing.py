@@ -317,21 +317,25 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
 # ---------------------------------------------------------------- the engine's own work
 
 
-def engine_kind(setup: Setup) -> str:
-    """The calibrated engine a layout runs on: FSDP2, DeepSpeed's ZeRO 3, or DeepSpeed at ZeRO 0-2
-    (the pipeline engine included), whose per-parameter work is alike."""
+def engine_kind(setup: Setup, cluster: Cluster) -> str:
+    """The calibrated engine a layout runs on: FSDP2, DeepSpeed's ZeRO 3, DeepSpeed at ZeRO 0-2 over
+    tensor-parallel layers where that was calibrated, or else DeepSpeed at ZeRO 0-2 (the pipeline
+    engine included), whose per-parameter work is alike."""
     if setup.engine == "fsdp2":
         return "fsdp2"
-    return "zero3" if setup.stage == 3 else "zero1"
+    if setup.stage == 3:
+        return "zero3"
+    return "tp" if setup.layout.tp > 1 and "tp" in cluster.engine_overhead else "zero1"
 
 
 def _engine_overhead(setup: Setup, cluster: Cluster) -> list[TimeTerm]:
-    measured = cluster.engine_overhead.get(engine_kind(setup))
+    kind = engine_kind(setup, cluster)
+    measured = cluster.engine_overhead.get(kind)
     if not measured:
         return []
     m = setup.accumulation_steps
     seconds = (measured["per_step"] + m * measured["per_micro_batch"]) * setup.rank_params
-    note = f"{engine_kind(setup)}'s own work per parameter, per step and per micro-batch, as calibrated"
+    note = f"{kind}'s own work per parameter, per step and per micro-batch, as calibrated"
     return [TimeTerm("engine overhead", seconds, note)]
 
 
