@@ -329,11 +329,6 @@ def _slowest_host_link(ranks: list[dict[str, Any]]) -> float | None:
     return min(links) if links else None
 
 
-def host_cores() -> int:
-    """The cores this process may run on, which a CPU run's ranks share."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def memory_per_rank(devices: int) -> int:
     """A GPU's memory, or on a CPU the host's shared by the ranks."""
     import psutil

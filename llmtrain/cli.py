@@ -418,7 +418,7 @@ def _calibrate(path: Path, gpus: str | None) -> None:
     """Measure this machine in --gpus processes (default: its CUDA devices, else its cores) and write
     the cluster file."""
     from llmtrain import calibrate, rundir
-    from llmtrain.parallel.distributed import select_accelerator
+    from llmtrain.parallel.distributed import select_accelerator, usable_cores
 
     check_output_file(path, "--calibrate", force=False)
     accelerator = select_accelerator()
@@ -428,7 +428,7 @@ def _calibrate(path: Path, gpus: str | None) -> None:
     ranks = calibrate.measure(devices, ("fp32", "bf16"))
     facts = rundir.machine_facts()
     name = _device_name(accelerator, facts)
-    cores = 0 if accelerator == "cuda" else calibrate.host_cores()
+    cores = 0 if accelerator == "cuda" else usable_cores()
     doc = calibrate.cluster_document(ranks, devices, name, calibrate.memory_per_rank(devices), cores)
     calibrate.write_cluster(path, doc, f"{name}, {devices} process(es), commit {facts['git_sha']}")
     peaks = ", ".join(f"{p} {v / 1e9:,.1f} GFLOP/s" for p, v in doc["device"]["peak_flops"].items())

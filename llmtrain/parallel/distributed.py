@@ -38,8 +38,12 @@ def share_cores(local_ranks: int) -> None:
     5 ms). torchrun and DeepSpeed's --bind_cores_to_rank divide the cores the same way."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // max(1, local_ranks)))
+    torch.set_num_threads(max(1, usable_cores() // max(1, local_ranks)))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), which a node's CPU ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _local_ranks() -> int:
