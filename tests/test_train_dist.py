@@ -278,8 +278,29 @@ def _optimizer_rules(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def _diverged(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A run the guard stops (NaN on rank 1 at steps 0 and 1, two skips allowed in a row): what it raised
+    on this rank, and whether the loader's prefetch thread still runs afterwards (one left running into
+    interpreter exit aborts the process)."""
+    import threading
+
+    from llmtrain.data.dataset import THREAD_NAME
+    from llmtrain.errors import RunFailure
+
+    flags = {"train.steps": 4, "stability.max_consecutive_skips": 2}
+    trainer = _build(rank, world_size, str(Path(root) / "diverged"), flags, faults="nan_loss@1:0,1")
+    raised = ""
+    try:
+        trainer.train()
+    except RunFailure as exc:
+        raised = type(exc).__name__
+    prefetching = [t.name for t in threading.enumerate() if t.name == THREAD_NAME]
+    return {"raised": raised, "prefetch_threads": prefetching}
+
+
 def _all_groups(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return {
+        "diverged": _diverged(rank, world_size, root),
         "trajectories": _train_all(rank, world_size, str(Path(root) / "trajectories"), TRAJECTORIES),
         "offload": _offload(rank, world_size, str(Path(root) / "offload")),
         "nan": _nan_skips(rank, world_size, str(Path(root) / "nan")),
@@ -376,6 +397,10 @@ def test_offload_and_fsdp2_bf16_train_and_the_loss_falls(offload: dict[str, Any]
 
 
 @pytest.mark.parametrize(("engine", "stage", "precision"), NAN_CASES)
+def test_a_run_that_fails_stops_its_prefetch_thread_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    assert [r["diverged"] for r in ranks] == [{"raised": "TrainingDiverged", "prefetch_threads": []}] * WORLD
+
+
 def test_nan_loss_is_skipped_on_every_rank_with_state_bitwise_unchanged(
     nan_skips: list[dict[str, Any]], engine: str, stage: int, precision: str
 ) -> None:

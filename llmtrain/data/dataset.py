@@ -103,6 +103,9 @@ def consecutive_batches(
     return [_window_batch(stream, np.arange(f, f + micro_batch), seq_len, eot, masking) for f in firsts]
 
 
+THREAD_NAME = "llmtrain-prefetch"
+
+
 class Prefetcher:
     """A loader's steps, built in order `depth` ahead by a background thread.
 
@@ -118,7 +121,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._queue: queue.Queue[tuple[Any, Any]] = queue.Queue(maxsize=max(1, depth))
         args = (weakref.ref(loader), produce, position, self._queue, self._stop)
-        self._thread = threading.Thread(target=_prefetch, args=args, daemon=True)
+        self._thread = threading.Thread(target=_prefetch, args=args, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def get(self) -> tuple[Any, Any]:

@@ -261,6 +261,22 @@ class Trainer:
     # ------------------------------------------------------------ the loop
 
     def train(self) -> dict[str, Any]:
+        # The prefetch thread is stopped however the loop ends: left running into interpreter exit after
+        # a failure (a stopping save failure, a diverged run), it is killed inside torch's C++ code, and
+        # the process aborts (SIGABRT, "terminate called without an active exception") instead of
+        # exiting with the failure's code.
+        try:
+            stopped_by = self._loop()
+        finally:
+            self.loader.close()
+        self.refresh_curves()
+        assert self.metrics is not None
+        summary = self.metrics.close()
+        summary["stopped_by"] = stopped_by or None
+        return summary
+
+    def _loop(self) -> str:
+        """Steps until the last one or a stop signal (its name, else ""), with the saves that fall due."""
         assert self.metrics is not None
         self.metrics.start(self.counters.step, self.counters.tokens)
         stopped_by = ""
@@ -279,11 +295,7 @@ class Trainer:
                 break
         if not stopped_by and self.last_saved_step != self.counters.step:
             self.save()
-        self.loader.close()
-        self.refresh_curves()
-        summary = self.metrics.close()
-        summary["stopped_by"] = stopped_by or None
-        return summary
+        return stopped_by
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         lr = schedule.lr_for(self.cfg, self.counters.step)
