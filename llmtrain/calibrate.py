@@ -202,7 +202,7 @@ def _engine_steps(device: Any) -> dict[str, dict[int, float]]:
     from llmtrain.parallel.distributed import World
 
     n = dist.get_world_size()
-    world = World(dist.get_rank(), dist.get_rank() if device.type == "cuda" else 0, n, device.type)
+    world = World(dist.get_rank(), dist.get_rank() if device.type == "cuda" else 0, n, device.type, n)
     kinds = [kind for kind in ENGINE_KINDS if kind != "tp" or n % 2 == 0]
     return {kind: {m: _engine_step(kind, m, world) for m in (1, 2)} for kind in kinds}
 
@@ -292,29 +292,34 @@ def cluster_document(
         }
     else:  # one process: no link measured; the device's memory stands in, which no collective crosses
         doc |= {"intra_node_bandwidth": bandwidth, "inter_node_bandwidth": bandwidth}
-    doc["engine_overhead"] = _engine_overhead(ranks, doc)
+    doc["engine_steps"] = {
+        kind: {m: max(float(r["engines"][kind][m]) for r in ranks) for m in (1, 2)}
+        for kind in ranks[0]["engines"]
+    }
+    doc["engine_overhead"] = engine_overhead(doc)
     return doc
 
 
-def _engine_overhead(ranks: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+def engine_overhead(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Seconds per parameter of the rank that each engine kind spends per step and per micro-batch
-    beyond what the time model counts on this cluster (`doc` without them): the measured step (the
-    slowest rank's) minus the predicted, at one and two micro-batches."""
+    beyond what the time model counts on this cluster: the measured step (`doc`'s engine_steps, the
+    slowest rank's) minus the predicted (from `doc` without engine_overhead), at one and two
+    micro-batches. A new time model derives them again from the same steps."""
     import copy
 
     from llmtrain.planning import memory
     from llmtrain.planning.hardware import cluster_from_dict
     from llmtrain.planning.timing import step_time
 
-    cluster = cluster_from_dict(copy.deepcopy(doc), "the calibration")
+    without = {key: value for key, value in doc.items() if key != "engine_overhead"}
+    cluster = cluster_from_dict(copy.deepcopy(without), "the calibration")
     devices = doc["devices_per_node"]
     overhead = {}
-    for kind in ranks[0]["engines"]:
+    for kind, steps in doc["engine_steps"].items():
         residual, params = {}, 0
         for m in (1, 2):
             setup = memory.setup_from_config(engine_config(kind, devices, m))
-            measured = max(float(r["engines"][kind][m]) for r in ranks)
-            residual[m], params = measured - step_time(setup, cluster).seconds, setup.rank_params
+            residual[m], params = float(steps[m]) - step_time(setup, cluster).seconds, setup.rank_params
         per_micro_batch = max(residual[2] - residual[1], 0.0)
         per_step = max(residual[1] - per_micro_batch, 0.0)
         overhead[kind] = {

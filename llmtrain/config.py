@@ -188,6 +188,15 @@ class ZeroConfig:
     prefetch_bucket_size: int | None = _f(None, "stage 3 prefetch elements; none = 0.9 * hidden_size^2")
     param_persistence_threshold: int | None = _f(None, "stage 3: keep smaller params; none = 10*hidden")
     max_live_parameters: int | None = _f(None, "stage 3 live parameter limit (elements)")
+    shard_within_node: bool = _f(
+        False,
+        "ZeRO 3 on several nodes (ZeRO++ hpZ): a second copy of the weights sharded within each node, so "
+        "backward gathers them inside the node; costs weights x dtype / ranks per node per rank",
+    )
+    quantize_weights: bool = _f(False, "ZeRO 3 (ZeRO++ qwZ): gather the weights in int8 (CUDA GPUs)")
+    quantize_grads: bool = _f(
+        False, "ZeRO 3 on several nodes (ZeRO++ qgZ): reduce gradients across nodes in int4 (CUDA GPUs)"
+    )
 
 
 @dataclass
@@ -300,7 +309,10 @@ class TrainConfig:
         """This config's point of the layout space, for rules.check."""
         z, p = self.zero, self.parallel
         t = self.train
-        return rules.Choice(z.stage, z.offload, t.precision, accelerator, p.tp, p.sp, p.pp, t.engine)
+        zero_plus = rules.ZeroPlus(z.shard_within_node, z.quantize_weights, z.quantize_grads)
+        return rules.Choice(
+            z.stage, z.offload, t.precision, accelerator, p.tp, p.sp, p.pp, t.engine, zero_plus
+        )
 
     @property
     def data_parallel(self) -> int:

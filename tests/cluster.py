@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
+
 T = TypeVar("T")
 
 NODES = {"node-a": "127.0.0.2", "node-b": "127.0.0.3"}
@@ -178,8 +180,9 @@ def _wait_for_ssh(cluster: Cluster, timeout: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def cluster(root: Path) -> Iterator[Cluster]:
-    """Start the cluster under ROOT (a fresh directory); stops sshd and removes the host names after."""
+def cluster(root: Path, mark: str = _HOSTS_MARK) -> Iterator[Cluster]:
+    """Start the cluster under ROOT (a fresh directory); stops sshd and removes the host names after.
+    Test files that run side by side each give their own `mark` (their own /etc/hosts lines)."""
     if os.geteuid() != 0:
         raise Unavailable("needs root (to add host names to /etc/hosts and start sshd)")
     wait_for_apt()
@@ -197,7 +200,7 @@ def cluster(root: Path) -> Iterator[Cluster]:
         start_new_session=True,
     )
     try:
-        with host_names():
+        with host_names(mark=mark):
             config, bin_dir = _ssh_client(root, port)
             found = Cluster(bin_dir=bin_dir, ssh_config=config, port=port)
             _wait_for_ssh(found)
@@ -205,6 +208,19 @@ def cluster(root: Path) -> Iterator[Cluster]:
     finally:
         sshd.terminate()
         sshd.wait(timeout=10)
+
+
+def remote_worker(run_dir: Path, rank: int) -> psutil.Process | None:
+    """The worker of `run_dir` with that rank, wherever on this machine ssh started it."""
+    for proc in psutil.process_iter():
+        try:
+            cmdline, env = proc.cmdline(), proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        ours = "worker" in cmdline and str(run_dir) in cmdline and "deepspeed.launcher.launch" not in cmdline
+        if ours and env.get("RANK") == str(rank):
+            return proc
+    return None
 
 
 if __name__ == "__main__":

@@ -157,6 +157,36 @@ CASES: dict[str, Case] = {
         f"{T} --gpus 3 --pp 2", "--pp: tp 1 x sp 1 x pp 2 = 2 does not divide the world size 3", RUN
     ),
     "pp-schedule": Case(f"{T} --gpus 2 --pp 2 --pp-schedule zigzag", "--pp-schedule", RUN),
+    # ---- train: ZeRO++ where DeepSpeed cannot run it, refused before any process starts
+    "hpz-zero2": Case(f"{T} --zero 2 --shard-within-node", "--zero: --shard-within-node with --zero 2", RUN),
+    "hpz-fsdp2": Case(
+        f"{T} --engine fsdp2 --zero 3 --shard-within-node",
+        "--engine: --shard-within-node with --engine fsdp2: ZeRO++ is DeepSpeed's",
+        RUN,
+    ),
+    "hpz-tp": Case(
+        f"{T} --gpus 2 --zero 3 --tp 2 --shard-within-node",
+        "--shard-within-node: with --tp 2 --sp 1: DeepSpeed groups hpZ's ranks by consecutive rank",
+        RUN,
+    ),
+    "hpz-nvme": Case(
+        f"{T} --zero 3 --offload nvme --nvme-path {{w}} --shard-within-node",
+        "--shard-within-node: with --offload nvme: DeepSpeed 0.19 allocates hpZ's second partition",
+        RUN,
+    ),
+    "hpz-one-node": Case(
+        f"{T} --gpus 2 --zero 3 --shard-within-node",
+        "--shard-within-node: with one node ZeRO 3 already gathers inside it",
+        RUN,
+    ),
+    "qwz-on-cpu": Case(
+        f"{T} --zero 3 --quantize-weights",
+        "--quantize-weights: needs a CUDA GPU (this machine runs cpu)",
+        RUN,
+    ),
+    "qgz-on-cpu": Case(
+        f"{T} --zero 3 --quantize-grads", "--quantize-grads: needs a CUDA GPU (this machine runs cpu)", RUN
+    ),
     # ---- train: what FSDP2 does not map, refused before any process starts
     "engine-unknown": Case(f"{T} --engine megatron", "--engine: train.engine must be deepspeed | fsdp2", RUN),
     "fsdp2-zero1": Case(f"{T} --engine fsdp2 --zero 1", "--zero: ZeRO 1 with --engine fsdp2", RUN),

@@ -197,6 +197,35 @@ def test_zero3_with_sp_reduces_by_all_reduce_in_buckets_holding_the_largest_para
     assert zero["reduce_bucket_size"] >= cfg.model.vocab_size * cfg.model.hidden_size
 
 
+def _zero_plus(flags: dict, world_size: int, **build: object) -> dict:
+    cfg = c.resolve(flags={"preset": "debug", "zero.stage": 3, **flags})
+    return dsconfig.build(cfg, world_size, **build)["zero_optimization"]  # type: ignore[arg-type]
+
+
+def test_hpz_partitions_within_the_nodes_the_job_found() -> None:
+    hpz = {"zero.shard_within_node": True, "launch.gpus": 8, "launch.nodes": 2}
+    assert _zero_plus(hpz, 16)["zero_hpz_partition_size"] == 8  # --gpus: processes per node
+    # A running job's own count wins (an srun step's tasks, which --gpus does not give).
+    assert _zero_plus(hpz, 16, ranks_per_node=4)["zero_hpz_partition_size"] == 4
+    assert "zero_hpz_partition_size" not in _zero_plus({"launch.gpus": 8, "launch.nodes": 2}, 16)
+    with pytest.raises(c.ConfigError, match=r"--shard-within-node: with one node ZeRO 3 already gathers"):
+        _zero_plus(hpz, 16, ranks_per_node=16)
+    with pytest.raises(c.ConfigError, match=r"--shard-within-node: 16 ranks in nodes of 1: hpZ partitions"):
+        _zero_plus(hpz, 16, ranks_per_node=1)
+
+
+def test_qwz_and_qgz_are_written_for_cuda_and_refused_on_a_cpu() -> None:
+    both = {"zero.quantize_weights": True, "zero.quantize_grads": True, "launch.gpus": 8, "launch.nodes": 2}
+    zero = _zero_plus(both, 16, accelerator="cuda")
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"]) == (True, True)
+    with pytest.raises(
+        c.ConfigError, match=r"--quantize-weights: needs a CUDA GPU \(this machine runs cpu\)"
+    ):
+        _zero_plus(both, 16, accelerator="cpu")
+    with pytest.raises(c.ConfigError, match=r"--quantize-grads: with one node it would do nothing"):
+        _zero_plus({"zero.quantize_grads": True, "launch.gpus": 8}, 8, accelerator="cuda")
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

@@ -135,7 +135,7 @@ def _trainer_syncs(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
             "train.steps": 4,
         }
     )
-    world = distributed.World(rank, rank, world_size, "cuda")
+    world = distributed.World(rank, rank, world_size, "cuda", world_size)
     torch.cuda.set_device(rank)
     trainer = build_trainer(cfg, world, Path(run_dir), resume=False)
     trainer.train_step(trainer.loader.next_step())  # warm-up: lazy allocations synchronise

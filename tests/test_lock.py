@@ -263,7 +263,7 @@ def _start_as_this_rank_decided(rank: int, world_size: int, run_dir: str) -> tup
     # prepared a fresh run from the flags (lr 5e-4).
     lr, resume = (1e-3, True) if rank == 0 else (5e-4, False)
     cfg = config.resolve(flags={"preset": "debug", "optim.lr": lr, "run_dir": run_dir})
-    agreed, agreed_resume = rank_zeros_start(cfg, resume, World(rank, rank, world_size, "cpu"))
+    agreed, agreed_resume = rank_zeros_start(cfg, resume, World(rank, rank, world_size, "cpu", world_size))
     return agreed.optim.lr, agreed_resume
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cluster import NODES, Cluster, cluster, running_or_skip
+from cluster import NODES, Cluster, cluster, remote_worker, running_or_skip
 from dist import free_port
 from runkit import BASE_FLAGS, Run, kill_tree, latest, run_env, start, wait_for
 
@@ -68,19 +68,6 @@ class Jobs:
     handed_over: dict  # RUN_DIR/launch/env.json as the pdsh workers found it
     handed_over_mode: int
     job_ended_in_s: float
-
-
-def _remote_worker(run_dir: Path, rank: int) -> psutil.Process | None:
-    """The worker of `run_dir` with that rank, wherever on this machine ssh started it."""
-    for proc in psutil.process_iter():
-        try:
-            cmdline, env = proc.cmdline(), proc.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        ours = "worker" in cmdline and str(run_dir) in cmdline and "deepspeed.launcher.launch" not in cmdline
-        if ours and env.get("RANK") == str(rank):
-            return proc
-    return None
 
 
 def _last_step(run_dir: Path) -> int:
@@ -126,7 +113,7 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         )
         handoff_file = pdsh_dir / "launch" / "env.json"
         handed_over, mode = json.loads(handoff_file.read_text()), handoff_file.stat().st_mode
-        victim = _remote_worker(pdsh_dir, rank=1)
+        victim = remote_worker(pdsh_dir, rank=1)
         assert victim is not None, runs["pdsh"].output()[-3000:]
         victim_env = victim.environ()
         victim.kill()
@@ -213,8 +200,8 @@ def test_sigterm_to_the_launching_command_stops_the_workers_on_every_node_after_
     assert latest(jobs.dirs["stopped"]) == f"step_{last:08d}"  # saved at the step it stopped at
     assert output.count("training summary") == 1 and "Traceback" not in output
     assert (
-        _remote_worker(jobs.dirs["stopped"], rank=0) is None
-        and _remote_worker(jobs.dirs["stopped"], rank=1) is None
+        remote_worker(jobs.dirs["stopped"], rank=0) is None
+        and remote_worker(jobs.dirs["stopped"], rank=1) is None
     )
     assert not (jobs.dirs["stopped"] / "launch" / "workers").exists()  # removed when the launch ended
 

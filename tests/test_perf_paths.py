@@ -221,7 +221,7 @@ def _count_host_reads(rank: int, world_size: int, run_dir: str) -> list[dict[str
             "launch.gpus": world_size,
         }
     )
-    world = distributed.World(rank, rank, world_size, "cpu")
+    world = distributed.World(rank, rank, world_size, "cpu", world_size)
     trainer = build_trainer(cfg, world, Path(run_dir), resume=False)
     per_step = []
     for _ in range(3):

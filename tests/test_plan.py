@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from llmtrain import calibrate
 from llmtrain.calibrate import fit_matmul
 from llmtrain.cli import main
 from llmtrain.planning.hardware import load_cluster
@@ -79,6 +81,20 @@ def test_the_first_rows_command_is_the_layout_it_describes(plan_7b: dict[str, An
     assert flags["--gpus"] == "8" and flags["--nodes"] == "2"
     assert flags["--zero"] == str(first["zero_stage"]) and flags["--engine"] == first["engine"]
     assert flags["--micro-batch"] == str(first["micro_batch"])
+
+
+def test_zero3_on_several_nodes_is_also_planned_with_hpz(
+    plan_7b: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    hpz = [row for row in plan_7b["rows"] if row["shard_within_node"]]
+    assert hpz and all(row["engine"] == "deepspeed" and row["zero_stage"] == 3 for row in hpz)
+    assert all(
+        ("--shard-within-node" in row["command"]) == row["shard_within_node"] for row in plan_7b["rows"]
+    )
+    estimate = _estimate(capsys, hpz[0]["command"])  # the second partition counted by both
+    assert estimate["per_gpu_peak_bytes"] == hpz[0]["gpu_peak_bytes"]
+    one_node = _plan(capsys, *REQUEST[:-2], "--nodes", "1", "--zero", "3", "--top", "100")
+    assert one_node["rows"] and not any(row["shard_within_node"] for row in one_node["rows"])
 
 
 def test_flags_pin_their_part_of_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,8 +173,12 @@ def test_calibrate_writes_this_machine_as_a_cluster_that_plans(
     assert cluster.intra_node_bandwidth > 0 and cluster.cpu_adam_rate > 0
     assert cluster.host_cores == len(os.sched_getaffinity(0))
     # Each engine kind's own work, measured on a real engine and left over after the modelled terms.
-    assert set(cluster.engine_overhead) == {"zero1", "zero3", "fsdp2", "tp"}
+    assert set(cluster.engine_overhead) == set(cluster.engine_steps) == {"zero1", "zero3", "fsdp2", "tp"}
     assert all(0 <= v < 1e-5 for each in cluster.engine_overhead.values() for v in each.values())
+    # The steps it was derived from are kept: a later time model derives it again from them.
+    recorded = yaml.safe_load(path.read_text())
+    assert calibrate.engine_overhead(recorded) == recorded["engine_overhead"]
+    assert all(0 < seconds < 60 for each in cluster.engine_steps.values() for seconds in each.values())
     doc = _plan(
         capsys, "--preset", "debug", "--cluster", str(path), "--precision", "fp32", "--global-batch", "8",
         "--confirm", "2", "--confirm-steps", "4",

@@ -3,6 +3,7 @@ properties a step's terms must have (llmtrain.planning.timing, llmtrain.planning
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from bench import bench_plan
 from llmtrain.config import resolve
 from llmtrain.errors import ConfigError
-from llmtrain.planning import memory
+from llmtrain.planning import memory, traffic
 from llmtrain.planning.flops import flops_per_token
 from llmtrain.planning.hardware import CLUSTERS, Cluster, builtin_cluster, cluster_from_dict, load_cluster
 from llmtrain.planning.timing import StepTime, step_time
@@ -68,6 +69,48 @@ def test_zero3_over_nodes_pays_for_the_nic_that_a_node_of_nvlink_does_not() -> N
     across = _step(**{"zero.stage": 3, "train.micro_batch": 1, "launch.gpus": 1, "launch.nodes": 8})
     assert _term(across, "data-parallel comm") > 10 * _term(inside, "data-parallel comm")
     assert _term(across, "compute") == pytest.approx(_term(inside, "compute"))
+
+
+def test_zero3_gathers_again_for_backward_what_it_frees_after_forward() -> None:
+    """DeepSpeed frees a weight after its forward when twice the weights used after it reach
+    stage3_max_reuse_distance (1e9 here): 7B's blocks but the last two, and its embedding."""
+    setup = _setup(preset="7b", **{"zero.stage": 3, "launch.gpus": 8})
+    m = setup.cfg.model
+    block = (setup.rank_params - 2 * m.vocab_size * m.hidden_size - m.hidden_size) // m.num_hidden_layers
+    again = traffic.backward_gathered_elements(setup)
+    assert setup.zero["stage3_max_reuse_distance"] == 1_000_000_000
+    # Released: the embedding, the 30 first blocks (less their norms, kept whole) and the first
+    # projections of the 31st; the rest of the last two blocks' weights are reused within the distance.
+    embedding = m.vocab_size * m.hidden_size
+    assert embedding + 30 * block < again < embedding + 31 * block
+    small = _setup(preset="tiny", **{"zero.stage": 3, "launch.gpus": 8})
+    assert traffic.backward_gathered_elements(small) == 0  # the whole model stays gathered
+
+
+def test_hpz_gathers_across_nodes_once_per_step_and_inside_them_after() -> None:
+    """ZeRO 3 over 4 nodes of 8 with 4 micro-batches on 10 Gb/s Ethernet: flat ZeRO 3 gathers the
+    weights over the NICs for each forward and again for each backward; hpZ once, then in the node."""
+    slow = dataclasses.replace(CLUSTERS["h100"], inter_node_bandwidth=1.25e9).with_size(8, 4)
+    flags = {"zero.stage": 3, "train.micro_batch": 1, "train.global_batch": 128, "launch.nodes": 4}
+    flat = _step(slow, **flags)
+    hpz = _step(slow, **flags, **{"zero.shard_within_node": True})
+    assert hpz.setup.zero["zero_hpz_partition_size"] == 8
+    weights = hpz.setup.rank_params * 2
+    again = traffic.backward_gathered_elements(hpz.setup) * 2
+    assert traffic.zero3_bytes_by_span(flat.setup, 8) == {
+        "inside_node": 0,
+        "across_nodes": 8 * weights + 4 * again,
+    }
+    assert traffic.zero3_bytes_by_span(hpz.setup, 8) == {
+        "inside_node": 3 * weights + 4 * again,
+        "across_nodes": 5 * weights,
+    }
+    assert _term(hpz, "data-parallel comm") < 0.6 * _term(flat, "data-parallel comm")
+    note = next(t.note for t in hpz.terms if t.name == "data-parallel comm")
+    inside = 3 + 4 * again / weights  # 3 forwards and 4 backwards' re-gathers
+    assert note.startswith(
+        f"1 all-gather over the ZeRO group, {inside:.3g} weights' worth inside the node (hpZ)"
+    )
 
 
 def test_more_micro_batches_shrink_the_pipeline_bubble_share() -> None:

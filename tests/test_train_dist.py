@@ -396,11 +396,11 @@ def test_offload_and_fsdp2_bf16_train_and_the_loss_falls(offload: dict[str, Any]
     assert last < first - 0.3, losses
 
 
-@pytest.mark.parametrize(("engine", "stage", "precision"), NAN_CASES)
 def test_a_run_that_fails_stops_its_prefetch_thread_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     assert [r["diverged"] for r in ranks] == [{"raised": "TrainingDiverged", "prefetch_threads": []}] * WORLD
 
 
+@pytest.mark.parametrize(("engine", "stage", "precision"), NAN_CASES)
 def test_nan_loss_is_skipped_on_every_rank_with_state_bitwise_unchanged(
     nan_skips: list[dict[str, Any]], engine: str, stage: int, precision: str
 ) -> None:

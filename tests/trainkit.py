@@ -20,7 +20,7 @@ def build(rank: int, world_size: int, run_dir: str, flags: dict[str, Any], fault
     prepare.derive(cfg)
     os.environ[faults_mod.ENV] = faults  # read by the Trainer when it is built
     try:
-        world = World(rank=rank, local_rank=rank, world_size=world_size, accelerator="cpu")
+        world = World(rank, rank, world_size, "cpu", local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
         return build_trainer(cfg, world, Path(run_dir), resume=False)
     finally:
         os.environ.pop(faults_mod.ENV, None)

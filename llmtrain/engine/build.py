@@ -17,7 +17,9 @@ def engine_config(cfg: TrainConfig, world: World, load_universal: bool = False) 
     dsconfig.build's for DeepSpeed (`load_universal`: resuming from a universal checkpoint)."""
     if cfg.train.engine == "fsdp2":
         return fsdp2_plan.build(cfg, world.world_size)
-    return dsconfig.build(cfg, world.world_size, world.accelerator, load_universal=load_universal)
+    return dsconfig.build(
+        cfg, world.world_size, world.accelerator, load_universal, ranks_per_node=world.local_world_size
+    )
 
 
 def build_engine(cfg: TrainConfig, world: World, engine_config: dict[str, Any]) -> Engine:

@@ -292,6 +292,8 @@ def held_model_states(engine: Any) -> HeldStates:
         params.append((name, param.data))
         if hasattr(param, "ds_tensor"):  # ZeRO-3's partition
             params.append((name, param.ds_tensor))
+        if getattr(param, "ds_secondary_tensor", None) is not None:  # hpZ's partition within the node
+            params.append((name, param.ds_secondary_tensor))
     others = [(n + ".grad", p.grad) for n, p in engine.module.named_parameters() if p.grad is not None]
     _reachable_tensors(engine.optimizer, "optimizer", set(), others)
     for group in engine.optimizer.param_groups:  # fp32 master partitions and their (offloaded) grads

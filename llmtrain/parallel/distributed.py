@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
-from llmtrain.parallel import shm
+from llmtrain.parallel import shm, traffic
 from llmtrain.parallel.node import node_name
 from llmtrain.quiet import held_stdout
 
@@ -46,7 +46,7 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _local_ranks() -> int:
+def local_ranks() -> int:
     """This node's process count, as the launcher exported it (DeepSpeed: LOCAL_SIZE; torchrun:
     LOCAL_WORLD_SIZE; Slurm: SLURM_NTASKS_PER_NODE); 1 when none did."""
     for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
@@ -62,6 +62,7 @@ class World:
     local_rank: int
     world_size: int
     accelerator: str
+    local_world_size: int  # this node's processes
 
     @property
     def is_main(self) -> bool:
@@ -90,7 +91,9 @@ def init(timeout_s: float = 600.0) -> World:
     if accelerator == "cuda":
         torch.cuda.set_device(local_rank)
     else:
-        share_cores(_local_ranks())
+        share_cores(local_ranks())
+    # Before the process group and DeepSpeed's backend exist: they keep references to the collectives.
+    traffic.install(local_ranks())
     if not dist.is_initialized():
         import deepspeed
 
@@ -112,7 +115,7 @@ def init(timeout_s: float = 600.0) -> World:
                 dist_backend=backend, timeout=timeout, rank=rank, world_size=world_size
             )
     _register_process(rank)
-    return World(rank=rank, local_rank=local_rank, world_size=world_size, accelerator=accelerator)
+    return World(rank, local_rank, world_size, accelerator, local_world_size=local_ranks())
 
 
 def _elastic_attempt_store(world_size: int, timeout: timedelta) -> Any:

@@ -8,10 +8,13 @@ defaults allocate a 1 GB reduce bucket under ZeRO-3 even for a 7M-parameter mode
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from llmtrain import precision
 from llmtrain.config import ModelConfig, TrainConfig
+from llmtrain.errors import ConfigError
+from llmtrain.flags import flag_for
 from llmtrain.planning import rules
 
 # Buckets below this many elements only add per-collective latency: a whole small model fits in one.
@@ -34,14 +37,21 @@ def bucket_sizes(model: ModelConfig) -> dict[str, int]:
 
 
 def build(
-    cfg: TrainConfig, world_size: int, accelerator: str = "cpu", load_universal: bool = False
+    cfg: TrainConfig,
+    world_size: int,
+    accelerator: str = "cpu",
+    load_universal: bool = False,
+    ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for `deepspeed.initialize(config=...)`.
 
     `load_universal`: the run resumes from a checkpoint converted to DeepSpeed's universal format
-    (saved at another world size).
+    (saved at another world size). `ranks_per_node`: the processes of each node (default --gpus), as a
+    running job finds them: --shard-within-node partitions within them.
     """
-    rules.check(cfg.choice(accelerator))
+    per_node = ranks_per_node or cfg.launch.gpus
+    nodes = world_size // per_node if world_size % per_node == 0 else None
+    rules.check(replace(cfg.choice(accelerator), nodes=nodes))
     layout = cfg.layout(world_size)
     # DeepSpeed counts the batch over its data-parallel ranks (the mpu's), as batch_triple does.
     train_batch, micro, accum = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, layout.dp)
@@ -51,7 +61,7 @@ def build(
         "gradient_accumulation_steps": accum,
         "gradient_clipping": cfg.optim.grad_clip,
         "optimizer": _optimizer(cfg, accelerator),
-        "zero_optimization": _zero(cfg),
+        "zero_optimization": {**_zero(cfg), **_zero_plus(cfg, world_size, per_node)},
         "steps_per_print": _NEVER_PRINT,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
@@ -160,6 +170,26 @@ def _zero(cfg: TrainConfig) -> dict[str, Any]:
         out["offload_optimizer"] = _offload_target(cfg)
         if z.stage == 3:
             out["offload_param"] = _offload_target(cfg)
+    return out
+
+
+def _zero_plus(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> dict[str, Any]:
+    """ZeRO++'s keys (rules.RULES has checked they apply: ZeRO 3, several nodes, qwZ/qgZ on CUDA).
+    hpZ's secondary partition spans a node: DeepSpeed groups consecutive ranks, which the launchers
+    number node by node."""
+    z = cfg.zero
+    out: dict[str, Any] = {}
+    if z.shard_within_node:
+        if ranks_per_node < 2 or world_size % ranks_per_node:
+            raise ConfigError(
+                f"{flag_for('zero.shard_within_node')}: {world_size} ranks in nodes of {ranks_per_node}: "
+                "hpZ partitions within nodes of 2 or more ranks each; launch 2 or more per node"
+            )
+        out["zero_hpz_partition_size"] = ranks_per_node
+    if z.quantize_weights:
+        out["zero_quantized_weights"] = True
+    if z.quantize_grads:
+        out["zero_quantized_gradients"] = True
     return out
 
 

@@ -111,6 +111,9 @@ class Cluster:
     # modelled terms, per step and per micro-batch: hooks, bucket copies, flattening. Measured by
     # plan --calibrate; none where not measured (the built-in GPUs: there it hides under the kernels).
     engine_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
+    # What engine_overhead was derived from: each kind's real engine step (seconds, the slowest rank's)
+    # at 1 and 2 micro-batches, so a later time model derives it again (calibrate.engine_overhead).
+    engine_steps: dict[str, dict[int, float]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -290,10 +293,12 @@ def cluster_from_dict(data: dict[str, Any], where: str) -> Cluster:
         )
     base = builtin_cluster(str(base_name)) if base_name is not None else None
     device = _device_from(data.pop("device", None), base, where)
-    overhead = data.pop("engine_overhead", None)
+    overhead, steps = data.pop("engine_overhead", None), data.pop("engine_steps", None)
     values: dict[str, Any] = {key: _number(where, key, value) for key, value in data.items()}
     if overhead is not None:
         values["engine_overhead"] = _engine_overhead(overhead, where)
+    if steps is not None:
+        values["engine_steps"] = _engine_steps(steps, where)
     sources = {**(base.sources if base else {}), **{key: where for key in values}}
     if base is not None:
         return replace(base, device=device, sources=sources, **values)
@@ -317,6 +322,21 @@ def _engine_overhead(spec: Any, where: str) -> dict[str, dict[str, float]]:
         out[kind] = {
             key: float(_number(where, f"engine_overhead.{kind}.{key}", value)) for key, value in each.items()
         }
+    return out
+
+
+def _engine_steps(spec: Any, where: str) -> dict[str, dict[int, float]]:
+    if not isinstance(spec, dict) or not set(spec) <= set(ENGINE_KINDS):
+        raise ConfigError(
+            f"{where}: engine_steps maps an engine kind ({', '.join(ENGINE_KINDS)}) to 1: and 2: seconds"
+        )
+    out = {}
+    for kind, each in spec.items():
+        if not isinstance(each, dict) or set(each) != {1, 2}:
+            raise ConfigError(
+                f"{where}: engine_steps.{kind} must give 1: and 2: (seconds of a step at 1 and 2 micro-batches)"
+            )
+        out[kind] = {m: float(_number(where, f"engine_steps.{kind}.{m}", value)) for m, value in each.items()}
     return out
 
 

@@ -5,13 +5,14 @@ divisor, planning.rules' stage/offload combinations), on both engines, each with
 mode and every micro-batch that divides the global batch; the memory model keeps those that fit the
 cluster's devices and the time model ranks them. The global batch and sequence length stay the
 request's, so every row trains the same tokens per step. Flags the user gave pin their part of the
-layout (`--zero 3` searches ZeRO 3 only).
+layout (`--zero 3` searches ZeRO 3 only). On several nodes ZeRO 3 is also tried with hpZ
+(--shard-within-node), whose gathers after the first of a step stay inside each node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmtrain.errors import ConfigError
 from llmtrain.planning import rules
@@ -33,6 +34,7 @@ LAYOUT_KEYS = (
     "parallel.pp",
     "train.micro_batch",
     "train.activation_checkpointing",
+    "zero.shard_within_node",
 )
 
 
@@ -98,9 +100,7 @@ def _layouts(setup: Setup, pinned: dict[str, object]) -> Iterator[list[Setup]]:
         for tp, sp, pp in degrees(base):
             if not _allowed(pinned, {"parallel.tp": tp, "parallel.sp": sp, "parallel.pp": pp}):
                 continue
-            for choice in rules.combinations(setup.precision, "cuda", tp, sp, pp, engine):
-                if not _allowed(pinned, {"zero.stage": choice.stage, "zero.offload": choice.offload}):
-                    continue
+            for choice in _choices(setup, tp, sp, pp, engine, pinned):
                 for mode in _pinned(pinned, "train.activation_checkpointing", CHECKPOINTING):
                     yield [
                         setup.with_choice(
@@ -113,9 +113,24 @@ def _layouts(setup: Setup, pinned: dict[str, object]) -> Iterator[list[Setup]]:
                             pp,
                             engine=engine,
                             keep_batch=True,
+                            shard_within_node=choice.zero_plus.shard_within_node,
                         )
                         for micro in reversed(_micro_batches(setup, tp, sp, pp, pinned))
                     ]
+
+
+def _choices(
+    setup: Setup, tp: int, sp: int, pp: int, engine: str, pinned: dict[str, object]
+) -> Iterator[rules.Choice]:
+    """The stage and offload combinations the rules allow and the pins admit, each also with ZeRO++ hpZ
+    where it composes (ZeRO 3 on several nodes)."""
+    for choice in rules.combinations(setup.precision, "cuda", tp, sp, pp, engine):
+        if not _allowed(pinned, {"zero.stage": choice.stage, "zero.offload": choice.offload}):
+            continue
+        hpz_options = (False, True) if rules.composes_with_hpz(choice, setup.cfg.launch.nodes) else (False,)
+        for hpz in hpz_options:
+            if _allowed(pinned, {"zero.shard_within_node": hpz}):
+                yield replace(choice, zero_plus=rules.ZeroPlus(shard_within_node=hpz))
 
 
 def _pinned(pinned: dict[str, object], key: str, values: tuple[str, ...]) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ def train_command(row: PlanRow, cfg_args: dict[str, Any]) -> str:
             words += _flag(key, value)
     values = {key: config.get(row.setup.cfg, key) for key in (*LAYOUT_KEYS, *REQUEST_KEYS)}
     for key, value in values.items():
-        if not (key.startswith("parallel.") and value == 1):
+        if not (key.startswith("parallel.") and value == 1) and value is not False:
             words += _flag(key, value)
     return shlex.join(words)
 
@@ -70,6 +70,7 @@ def _row(row: PlanRow, memory: int, cfg_args: dict[str, Any]) -> dict[str, Any]:
         "layout": row.setup.layout.describe(),
         "engine": c.train.engine,
         "zero_stage": c.zero.stage,
+        "shard_within_node": c.zero.shard_within_node,
         "offload": c.zero.offload,
         "tp": c.parallel.tp,
         "sp": c.parallel.sp,
@@ -105,7 +106,9 @@ def render(doc: dict[str, Any], title: str) -> None:
         )
     for i, r in enumerate(doc["rows"], 1):
         engine = (
-            f"ZeRO {r['zero_stage']}" if r["engine"] == "deepspeed" else f"FSDP2 --zero {r['zero_stage']}"
+            f"ZeRO {r['zero_stage']}" + (" hpZ" if r["shard_within_node"] else "")
+            if r["engine"] == "deepspeed"
+            else f"FSDP2 --zero {r['zero_stage']}"
         )
         table.add_row(
             str(i),

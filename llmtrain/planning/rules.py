@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
@@ -22,9 +22,33 @@ OFFLOADS = ("none", "cpu", "nvme")  # fastest first: each moves states over a sl
 
 
 @dataclass(frozen=True)
+class ZeroPlus:
+    """DeepSpeed's ZeRO++ on top of ZeRO 3: hpZ (a second weight partition within each node), qwZ (int8
+    weight all-gathers), qgZ (int4 gradient reduction across nodes)."""
+
+    shard_within_node: bool = False
+    quantize_weights: bool = False
+    quantize_grads: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.shard_within_node or self.quantize_weights or self.quantize_grads
+
+    @property
+    def flags(self) -> str:
+        """The flags that turn on what is on, for an error: `--shard-within-node --quantize-grads`."""
+        on = (self.shard_within_node, self.quantize_weights, self.quantize_grads)
+        return " ".join(f for f, set_ in zip(ZERO_PLUS_FLAGS, on, strict=True) if set_)
+
+
+ZERO_PLUS_FLAGS = ("--shard-within-node", "--quantize-weights", "--quantize-grads")
+
+
+@dataclass(frozen=True)
 class Choice:
     """One point of the layout space. `accelerator` is None where it is not known yet (config
-    validation on the machine that launches); rules about it are then left for later."""
+    validation on the machine that launches), and `nodes` where the launcher decides them; rules about
+    them are then left for later."""
 
     stage: int
     offload: str = "none"
@@ -34,6 +58,8 @@ class Choice:
     sp: int = 1
     pp: int = 1
     engine: str = "deepspeed"
+    zero_plus: ZeroPlus = ZeroPlus()
+    nodes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,11 @@ class Rule:
     key: str  # the config key an error names (its flag when it has one)
     refuses: Callable[[Choice], bool]
     why: str  # formatted with the choice's fields
+
+
+def _quantizing_off_cuda(field: str) -> Callable[[Choice], bool]:
+    """Whether a choice turns on ZeRO++'s quantizer `field` (of ZeroPlus) on a known non-CUDA machine."""
+    return lambda c: bool(getattr(c.zero_plus, field)) and c.accelerator not in (None, "cuda")
 
 
 RULES: tuple[Rule, ...] = (
@@ -109,6 +140,57 @@ RULES: tuple[Rule, ...] = (
         "ZeRO {stage} with --pp: DeepSpeed's pipeline engine runs ZeRO 0 and 1 only; use --zero 1",
     ),
     Rule(
+        "train.engine",
+        lambda c: c.zero_plus.any and c.engine != "deepspeed",
+        "{zero_plus.flags} with --engine {engine}: ZeRO++ is DeepSpeed's; use --engine deepspeed --zero 3",
+    ),
+    Rule(
+        "zero.stage",
+        lambda c: c.zero_plus.any and c.stage != 3,
+        "{zero_plus.flags} with --zero {stage}: ZeRO++ partitions, gathers and reduces ZeRO 3's weights; "
+        "add --zero 3",
+    ),
+    Rule(
+        "zero.shard_within_node",
+        # DeepSpeed builds hpZ's groups from consecutive global ranks (groups._create_zero_param_parallel_
+        # group), which under tp or sp are model-parallel peers (rank order, layout.py), not ZeRO's.
+        lambda c: c.zero_plus.shard_within_node and (c.tp > 1 or c.sp > 1),
+        "with --tp {tp} --sp {sp}: DeepSpeed groups hpZ's ranks by consecutive rank, which under "
+        "--tp/--sp are model-parallel peers rather than ZeRO's; drop one of them",
+    ),
+    Rule(
+        "zero.shard_within_node",
+        # partition_parameters._partition_param_sec: torch.empty(device="nvme") (measured, 0.19.8).
+        lambda c: c.zero_plus.shard_within_node and c.offload == "nvme",
+        "with --offload nvme: DeepSpeed 0.19 allocates hpZ's second partition on the offload device, "
+        "which fails for NVMe; use --offload cpu, or none",
+    ),
+    *(
+        Rule(
+            key,
+            # Measured, DeepSpeed 0.19.8 on its CPU accelerator: qwZ's and qgZ's quantizer op is GPU-only
+            # ("This op had not been implemented on CPU backend", QuantizerBuilder.load).
+            _quantizing_off_cuda(key.removeprefix("zero.")),
+            "needs a CUDA GPU (this machine runs {accelerator}): DeepSpeed's ZeRO++ quantizer kernels have "
+            "no CPU implementation; drop the flag",
+        )
+        for key in ("zero.quantize_weights", "zero.quantize_grads")
+    ),
+    Rule(
+        "zero.shard_within_node",
+        lambda c: c.zero_plus.shard_within_node and c.nodes == 1,
+        "with one node ZeRO 3 already gathers inside it, and the second partition would only cost "
+        "memory; it applies with --nodes 2 or more",
+    ),
+    Rule(
+        "zero.quantize_grads",
+        # DeepSpeed quantizes only when the world spans nodes (stage3.__avg_scatter_grads: num_nodes > 1),
+        # else it reduce-scatters as usual: the flag would do nothing.
+        lambda c: c.zero_plus.quantize_grads and c.nodes == 1,
+        "with one node it would do nothing: DeepSpeed's qgZ quantizes the reduction across nodes only; "
+        "it applies with --nodes 2 or more",
+    ),
+    Rule(
         "zero.stage",
         # Stage 0 steps a bare optimizer without an overflow check (no skipped update for a bad step),
         # and DeepSpeed 0.19.8 saves a bf16 stage-0 pipeline checkpoint that it then cannot load.
@@ -147,6 +229,12 @@ def combinations(
         choice = Choice(stage, offload, precision, accelerator, tp, sp, pp, engine)
         if refusal(choice) is None:
             yield choice
+
+
+def composes_with_hpz(choice: Choice, nodes: int) -> bool:
+    """Whether `choice` on `nodes` nodes may add ZeRO++ hpZ (--shard-within-node)."""
+    with_hpz = replace(choice, zero_plus=ZeroPlus(shard_within_node=True), nodes=nodes)
+    return refusal(with_hpz) is None
 
 
 def offload_rank(offload: str) -> int:

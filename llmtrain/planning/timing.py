@@ -18,7 +18,8 @@ precision, micro-batch and accumulation as DeepSpeed's dict has them) and from t
   efficiency, plus one latency per ring step.
 * What each collective overlaps: ZeRO's gradient reductions hide under backward and ZeRO-3's/FSDP2's
   all-gathers under forward and backward (prefetch) as far as that compute lasts; tensor-parallel
-  all-reduces, Ulysses' all-to-alls and the pipeline's sends sit on the critical path.
+  all-reduces, Ulysses' all-to-alls and the pipeline's sends sit on the critical path. ZeRO++ hpZ
+  gathers over the whole ZeRO group once per step, then inside the node.
 * A pipeline runs m + pp - 1 micro-batch slots per step on every stage; the pp - 1 it idles is the
   bubble (both schedules have the same), the slots paced by the heaviest stage.
 * The optimizer step reads and writes the rank's fp32 partition (master weights, two moments, the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrain.planning import traffic
 from llmtrain.planning.flops import (
     attention_width,
     block_elementwise_elements,
@@ -226,12 +228,22 @@ def _collective_seconds(
 ) -> float:
     """One collective over the first group along `axes`: `nbytes` is the whole tensor (all-reduce,
     reduce-scatter's input, all-gather's output) or the rank's buffer (all-to-all)."""
-    bandwidth, latency, n = _group_bandwidth(layout, axes, cluster)
+    return _ring_seconds(kind, nbytes, *_group_bandwidth(layout, axes, cluster))
+
+
+def _ring_seconds(kind: str, nbytes: float, bandwidth: float, latency: float, n: int) -> float:
+    """A ring collective of `n` ranks at `bandwidth` bytes/s and `latency` seconds per step."""
     if n == 1:
         return 0.0
     steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
     per_rank = nbytes * steps / n
     return per_rank / bandwidth + steps * latency
+
+
+def _in_node_seconds(kind: str, nbytes: float, n: int, cluster: Cluster) -> float:
+    """A collective of `n` ranks that share a node (hpZ's secondary partition group)."""
+    bandwidth = cluster.intra_node_bandwidth * cluster.link_efficiency
+    return _ring_seconds(kind, nbytes, bandwidth, cluster.intra_node_latency, n)
 
 
 def _model_parallel_terms(setup: Setup, cluster: Cluster, micro_batches: int) -> list[TimeTerm]:
@@ -301,8 +313,7 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
         comm = gathers * gather + seconds("reduce-scatter", FP32)
         return comm, f"{gathers} all-gathers, 1 fp32 reduce-scatter", True
     if setup.stage == 3:
-        comm = m * (2 * gather + seconds("reduce-scatter", setup.lp_bytes))
-        return comm, f"{m} x (2 all-gathers + 1 reduce-scatter)", True
+        return _zero3_collectives(setup, cluster, m)
     if setup.stage == 0:
         return seconds("all-reduce", accum), "1 all-reduce", False
     if setup.stage == 1 and setup.precision == "bf16" and setup.offload == "none":
@@ -312,6 +323,27 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
         comm = m * seconds("reduce-scatter", accum) + gather
         return comm, f"{m} reduce-scatters under backward, 1 all-gather", True
     return seconds("reduce-scatter", accum) + gather, "1 reduce-scatter and 1 all-gather", False
+
+
+def _zero3_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float, str, bool]:
+    """ZeRO 3's collectives (planning.traffic): over the ZeRO group at the link it crosses; hpZ's
+    later gathers over its partition group inside a node."""
+    ranks_per_node = traffic.hpz_ranks(setup)
+    comm = sum(
+        c.count
+        * (
+            _collective_seconds(c.kind, c.nbytes, setup.layout, ("dp", "sp"), cluster)
+            if c.group == traffic.ZERO_GROUP
+            else _in_node_seconds(c.kind, c.nbytes, ranks_per_node, cluster)
+        )
+        for c in traffic.zero3_collectives(setup)
+        if c.nbytes and c.count
+    )
+    again = traffic.backward_gathered_elements(setup) / setup.rank_params
+    if ranks_per_node <= 1:
+        return comm, f"{m} x (all-gather, {again:.0%} again for backward, reduce-scatter)", True
+    inside = f"{m - 1 + again * m:.3g} weights' worth inside the node (hpZ)"
+    return comm, f"1 all-gather over the ZeRO group, {inside}, {m} reduce-scatters", True
 
 
 # ---------------------------------------------------------------- the engine's own work

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +238,12 @@ def read_hostfile(path: str) -> dict[str, int]:
 def check_launch(cfg: TrainConfig) -> None:
     """Launch settings that can be checked before anything starts."""
     launch = cfg.launch
+    if not inside_launcher():
+        # This command starts the processes: it knows the nodes, and without a hostfile they run here,
+        # on this machine's accelerator (a GPU-only feature on a CPU machine is refused now, not in
+        # every worker). Under a launcher, the engine's config checks the nodes the job found.
+        here = precision.this_accelerator() if launch.hostfile is None else None
+        rules.check(replace(cfg.choice(here), nodes=launch.nodes))
     if launch.hostfile is not None:
         hosts = read_hostfile(launch.hostfile)
         if launch.nodes > len(hosts):

@@ -310,9 +310,11 @@ class MetricsLogger:
         skipped: int = 0,
         spikes: int = 0,
         sources: dict[str, dict[str, int]] | None = None,
+        comm_bytes: dict[str, int] | None = None,
         **extra: float,
     ) -> dict[str, Any]:
-        """Record a training step (after `step` updates, `tokens` trained in total); returns the record."""
+        """Record a training step (after `step` updates, `tokens` trained in total); returns the record.
+        `comm_bytes`: this rank's collective bytes in the step, inside one node and across nodes."""
         now = self._clock()
         interval = now - self._last_time
         tokens_per_sec = (tokens - self._last_tokens) / interval if interval > 0 else 0.0
@@ -339,6 +341,8 @@ class MetricsLogger:
         record.update({k: _clean(v) for k, v in extra.items()})
         if sources is not None:
             record["sources"] = sources
+        if comm_bytes is not None:
+            record["comm_bytes"] = comm_bytes
         self.last_train = record
         if self.enabled:
             self._write(record)

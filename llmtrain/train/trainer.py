@@ -30,7 +30,7 @@ from llmtrain.data.shards import PreparedData
 from llmtrain.engine.base import Engine
 from llmtrain.engine.build import build_engine, engine_config
 from llmtrain.errors import RunFailure
-from llmtrain.parallel import distributed
+from llmtrain.parallel import distributed, traffic
 from llmtrain.parallel.distributed import World
 from llmtrain.planning.layout import check_resume
 from llmtrain.planning.memory.setup import setup_from_config
@@ -298,6 +298,7 @@ class Trainer:
         return stopped_by
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        self._step_traffic()  # from here on, this step's collectives
         lr = schedule.lr_for(self.cfg, self.counters.step)
         self.engine.set_lr(lr)
         agreed: list[Agreement] = []
@@ -375,6 +376,7 @@ class Trainer:
             self.metrics.warn(f"step {self.counters.step}: {result.verdict.reason} ({action})")
         step = self.counters.step
         if step % self.cfg.logging.log_every == 0 or step == self.total_steps or step == 1:
+            comm = self._step_traffic()  # before the peak's own collective
             peak = distributed.device_peak_bytes(self.world)  # every rank: a collective on a GPU
             self.metrics.log_step(
                 step,
@@ -385,8 +387,14 @@ class Trainer:
                 skipped=self.guard.skipped_total,
                 spikes=self.guard.spikes_total,
                 sources=self.loader.source_stats(),
+                comm_bytes=comm,
                 **({} if peak is None else {"peak_memory_bytes": peak}),
             )
+
+    def _step_traffic(self) -> dict[str, int] | None:
+        """This rank's collective bytes since the last call, inside a node and across nodes (None alone)."""
+        counter = traffic.installed()
+        return counter.take() if counter is not None and self.world.world_size > 1 else None
 
     def maybe_evaluate(self) -> None:
         every = self.cfg.train.eval_every

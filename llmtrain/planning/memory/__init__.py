@@ -23,7 +23,12 @@ from llmtrain.planning.memory.formulas import Estimate, Term, estimate
 from llmtrain.planning.memory.inputs import parse_count, parse_size, resolve_setup
 from llmtrain.planning.memory.render import render, report
 from llmtrain.planning.memory.setup import Setup, parameter_tensors, setup_from_config
-from llmtrain.planning.memory.states import ModelStates, checkpoint_bytes, model_states
+from llmtrain.planning.memory.states import (
+    ModelStates,
+    checkpoint_bytes,
+    model_states,
+    secondary_partition_elements,
+)
 
 __all__ = [
     "LOSS_CHUNK_ROWS",
@@ -43,6 +48,7 @@ __all__ = [
     "render",
     "report",
     "resolve_setup",
+    "secondary_partition_elements",
     "setup_from_config",
     "speed_key",
 ]

@@ -131,9 +131,13 @@ def _largest_fitting(
     gpu_memory: int,
     cpu_memory: int | None,
 ) -> Candidate | None:
+    # The user's hpZ stays on wherever it composes (ZeRO 3 without NVMe, tp or sp): it costs memory.
+    hpz = setup.cfg.zero.shard_within_node and rules.composes_with_hpz(choice, setup.cfg.launch.nodes)
     for micro in reversed(batches):
         layout = (choice.tp, choice.sp, choice.pp)
-        est = estimate(setup.with_choice(choice.stage, choice.offload, micro, mode, *layout))
+        est = estimate(
+            setup.with_choice(choice.stage, choice.offload, micro, mode, *layout, shard_within_node=hpz)
+        )
         if est.gpu_peak <= gpu_memory and (cpu_memory is None or est.cpu_per_node <= cpu_memory):
             lay = est.setup.layout
             return Candidate(

@@ -165,15 +165,18 @@ class Setup:
         pp: int = 1,
         engine: str | None = None,
         keep_batch: bool = False,
+        shard_within_node: bool = False,
     ) -> Setup:
         """This setup under another layout (and `engine`, when given). A pipeline keeps this setup's
         global batch: its micro-batches per step (m) set both the activations it holds and its bubble,
         and comparing layouts means training the same batch (the caller checks it divides). Without one,
         accumulation costs no memory, so the global batch is left to its default, unless `keep_batch`
-        (comparing step times, which accumulation sets)."""
+        (comparing step times, which accumulation sets). ZeRO++ hpZ is on only when `shard_within_node`
+        says so (it composes with ZeRO 3 alone)."""
         cfg = copy.deepcopy(self.cfg)
         cfg.train.engine = engine or cfg.train.engine  # type: ignore[assignment]
         cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]
+        cfg.zero.shard_within_node = shard_within_node
         cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.pp = tp, sp, pp
         if offload == "nvme" and not cfg.zero.nvme_path:
             cfg.zero.nvme_path = "/local_nvme"

@@ -133,11 +133,32 @@ def _stage12_states(setup: Setup, p: int, part: float, b: int, a: int, optim: in
     )
 
 
+def secondary_partition_elements(setup: Setup) -> int:
+    """ZeRO++ hpZ's second copy of the weights, partitioned within a node: DeepSpeed partitions each
+    parameter ZeRO 3 does not keep whole, padded to a multiple of the ZeRO group, over the node's ranks
+    (partition_parameters._partition_param_sec). It exists from a block's first forward until the step
+    (stage3.invalidate_secondary_tensor), so through backward: at the model states' peak."""
+    ranks_per_node = setup.zero.get("zero_hpz_partition_size", 1)
+    if ranks_per_node <= 1:
+        return 0
+    n = setup.zero_group
+    if not setup.shape_known:
+        return -(-setup.rank_params // ranks_per_node)
+    threshold = setup.zero["stage3_param_persistence_threshold"]
+    tensors = parameter_tensors(setup.cfg.model, setup.layout.tp)
+    return sum(-(-t // n) * n for t in tensors if t > threshold) // ranks_per_node
+
+
 def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int) -> ModelStates:
     persistent = b * persistent_elements(setup)
     params, grads, states = round(b * part), round(a * part), round(optim * part)
+    secondary = b * secondary_partition_elements(setup)
+    params += secondary  # where the partition lives (DeepSpeed allocates both on its remote device)
+    hpz = setup.zero.get("zero_hpz_partition_size", 1)
     notes = {
-        "params": "partition / ZeRO group + small persistent params whole",
+        "params": "partition / ZeRO group"
+        + (f" + hpZ's second partition / {hpz} ranks per node" if secondary else "")
+        + " + small persistent params whole",
         "grads": f"{'fp32' if a == FP32 else setup.precision} partition"
         + ("" if setup.offload == "none" else ", on the CPU"),  # NVMe offload keeps them there too
         "optim": _partitioned_optim(setup) + _OFFLOAD_WHERE[setup.offload],

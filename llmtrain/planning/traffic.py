@@ -1,0 +1,86 @@
+"""ZeRO 3's collectives in one step as volumes: what each moves (its whole tensor), how often, over which
+group. The time model prices them (planning.timing); a run's measured `comm_bytes`
+(parallel.traffic) is held against them. Torch-free, like the rest of the planning layer.
+
+DeepSpeed's ZeRO 3 (0.19, once the first step has recorded the order its modules run in) gathers
+every weight for each micro-batch's forward and reduce-scatters each micro-batch's gradients over the
+ZeRO group. After a module's forward it frees the weights only when the weights used until their
+reuse in backward (the rest of the forward, then the backward back to them) reach
+stage3_max_reuse_distance elements (PartitionedParameterCoordinator.__params_to_release); those are
+gathered again for backward, the rest stay gathered. After backward every weight is freed: the next
+micro-batch gathers again. So a model smaller than the distance (llmtrain's default is 1e9 elements)
+gathers once per micro-batch, and a 7B model re-gathers all but its last blocks.
+
+Under ZeRO++ hpZ, freeing a weight leaves a copy partitioned within the node (until the step:
+stage3.invalidate_secondary_tensor), which every later gather of the step reads inside the node: only
+the first micro-batch's forward gathers over the ZeRO group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.planning.memory.setup import Setup, parameter_tensors
+
+ZERO_GROUP, NODE_GROUP = "zero", "node"
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all-gather, reduce-scatter
+    nbytes: int  # the whole tensor: an all-gather's output, a reduce-scatter's input
+    count: int  # per step
+    group: str  # ZERO_GROUP, or NODE_GROUP (hpZ's partition group)
+
+
+def hpz_ranks(setup: Setup) -> int:
+    """Ranks of hpZ's partition group (a node's); 1 without hpZ."""
+    return int(setup.zero.get("zero_hpz_partition_size", 1))
+
+
+def backward_gathered_elements(setup: Setup) -> int:
+    """Elements ZeRO 3 gathers again for each backward: the weights it freed after their forward, those
+    whose reuse distance (twice the weights used after them in forward) reaches the configured maximum;
+    all of them for a bare --params (no shape to walk). Small weights it keeps whole are never freed."""
+    if not setup.shape_known:
+        return setup.rank_params
+    limit = setup.zero["stage3_max_reuse_distance"]
+    persistent = setup.zero["stage3_param_persistence_threshold"]
+    regathered = used_after = 0
+    for numel in reversed(parameter_tensors(setup.cfg.model, setup.layout.tp)):  # the forward's order
+        if numel > persistent and 2 * used_after >= limit:
+            regathered += numel
+        used_after += numel
+    return regathered
+
+
+def zero3_collectives(setup: Setup) -> list[Collective]:
+    """One step's weight gathers and gradient reduce-scatters under ZeRO 3 (flat or hpZ)."""
+    m, lp = setup.accumulation_steps, setup.lp_bytes
+    weights = setup.rank_params * lp
+    again = backward_gathered_elements(setup) * lp
+    # Gradients are reduced in the model dtype (DeepSpeed's communication_data_type).
+    reduce_scatter = Collective("reduce-scatter", weights, m, ZERO_GROUP)
+    if hpz_ranks(setup) <= 1:
+        gathers = [
+            Collective("all-gather", weights, m, ZERO_GROUP),
+            Collective("all-gather", again, m, ZERO_GROUP),
+        ]
+        return [*gathers, reduce_scatter]
+    return [
+        Collective("all-gather", weights, 1, ZERO_GROUP),
+        Collective("all-gather", weights, m - 1, NODE_GROUP),
+        Collective("all-gather", again, m, NODE_GROUP),
+        reduce_scatter,
+    ]
+
+
+def zero3_bytes_by_span(setup: Setup, ranks_per_node: int) -> dict[str, int]:
+    """One step's ZeRO 3 volumes by where their group lies, in parallel.traffic's keys: the ZeRO group
+    spans nodes when the world does (data parallelism alone); hpZ's group is a node."""
+    spans = setup.world_size > ranks_per_node
+    out = {"inside_node": 0, "across_nodes": 0}
+    for c in zero3_collectives(setup):
+        across = spans and c.group == ZERO_GROUP
+        out["across_nodes" if across else "inside_node"] += c.nbytes * c.count
+    return out
