@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 LONGEST_FIRST = [
     "test_resume.py",
     "test_multinode.py",
+    "test_zero_plus.py",
     "test_parallel.py",
     "test_faults.py",
     "test_checkpoint.py",
