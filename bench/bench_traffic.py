@@ -1,12 +1,12 @@
-"""What a step sends across nodes, measured against planning.traffic's formula: flat ZeRO 3 against
-ZeRO++ hpZ on the loopback two-node cluster of the tests (tests/cluster.py: sshd on 127.0.0.2 and
+"""What a step sends across nodes, measured against planning.traffic's formula: flat ZeRO 3, ZeRO++ hpZ
+and FSDP2 (--zero 3) on the loopback two-node cluster of the tests (tests/cluster.py: sshd on 127.0.0.2 and
 127.0.0.3 as node-a and node-b; needs root, and Debian's openssh-server and pdsh, which it installs).
 
-`python -m bench traffic` (about 2 minutes on a 2-core CPU): for each layout, `llmtrain train
+`python -m bench traffic` (about 70 s on a 2-core CPU): for each layout, `llmtrain train
 --hostfile H --nodes 2 --gpus 2 --zero 3` through pdsh (the debug model, fp32, two micro-batches a
 step), then from its metrics.jsonl every step's `comm_bytes` (rank 0's collective bytes by whether
 their group spans nodes) after the first (which records DeepSpeed's module order), beside the formula
-for the run's own config, and tokens/s. The two jobs run one after the other, each alone on the cores.
+for the run's own config, and tokens/s. The jobs run one after the other, each alone on the cores.
 
 bench/results/traffic.json keeps the settings, each layout's measured and predicted bytes and the
 ratios hpZ over flat; tests/test_bench_traffic.py holds the measured bytes to the formula (within 10%)
@@ -34,7 +34,11 @@ STEPS = 8
 FLAGS = ["--preset", "debug", "--precision", "fp32", "--seq-len", "32", "--micro-batch", "2",
          "--global-batch", "16", "--zero", "3", "--steps", str(STEPS), "--log-every", "1",
          "--no-compile"]  # fmt: skip
-LAYOUTS: dict[str, list[str]] = {"flat zero3": [], "hpz": ["--shard-within-node"]}
+LAYOUTS: dict[str, list[str]] = {
+    "flat zero3": [],
+    "hpz": ["--shard-within-node"],
+    "fsdp2 zero3": ["--engine", "fsdp2"],
+}
 SPANS = ("inside_node", "across_nodes")
 
 
@@ -44,7 +48,7 @@ def predicted(config: dict[str, Any]) -> dict[str, int]:
     from llmtrain.planning import memory, traffic
 
     setup = memory.setup_from_config(from_dict(config, where="bench/results/traffic.json"))
-    return traffic.zero3_bytes_by_span(setup, ranks_per_node=PER_NODE)
+    return traffic.bytes_by_span(setup, ranks_per_node=PER_NODE)
 
 
 def _measured(run_dir: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """bench/results/traffic.json, as `python -m bench traffic` recorded it on the loopback two-node cluster:
-every step's measured bytes inside and across nodes are planning.traffic's within 10% for flat ZeRO 3
-and for hpZ, the recorded predictions are what the formula says today for the recorded configs (a
+every step's measured bytes inside and across nodes are planning.traffic's within 10% for flat ZeRO 3,
+hpZ and FSDP2, the recorded predictions are what the formula says today for the recorded configs (a
 change to the formula re-records the file), and hpZ sends a quarter less across nodes."""
 
 from __future__ import annotations

@@ -97,11 +97,11 @@ def test_hpz_gathers_across_nodes_once_per_step_and_inside_them_after() -> None:
     assert hpz.setup.zero["zero_hpz_partition_size"] == 8
     weights = hpz.setup.rank_params * 2
     again = traffic.backward_gathered_elements(hpz.setup) * 2
-    assert traffic.zero3_bytes_by_span(flat.setup, 8) == {
+    assert traffic.bytes_by_span(flat.setup, 8) == {
         "inside_node": 0,
         "across_nodes": 8 * weights + 4 * again,
     }
-    assert traffic.zero3_bytes_by_span(hpz.setup, 8) == {
+    assert traffic.bytes_by_span(hpz.setup, 8) == {
         "inside_node": 3 * weights + 4 * again,
         "across_nodes": 5 * weights,
     }

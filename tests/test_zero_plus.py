@@ -113,7 +113,7 @@ def _predicted_bytes(run_dir: Path) -> dict[str, int]:
     from llmtrain.planning import memory, traffic
 
     setup = memory.setup_from_config(rundir.load_saved_config(run_dir))
-    return traffic.zero3_bytes_by_span(setup, ranks_per_node=2)
+    return traffic.bytes_by_span(setup, ranks_per_node=2)
 
 
 def test_each_steps_bytes_across_nodes_match_the_formula_and_hpz_keeps_most_inside(jobs: Jobs) -> None:

@@ -26,8 +26,10 @@ _COUNTED: dict[str, tuple[int, str]] = {
     "all_reduce": (0, "tensor"),
     "broadcast": (0, "tensor"),
     "all_gather_into_tensor": (0, "output_tensor"),
+    "all_gather_single": (0, "output_tensor"),  # torch 2.13's name, which FSDP2 calls
     "_all_gather_base": (0, "output_tensor"),
     "reduce_scatter_tensor": (1, "input"),
+    "reduce_scatter_single": (1, "input"),
     "_reduce_scatter_base": (1, "input"),
     "all_to_all_single": (1, "input"),
     "all_gather": (1, "tensor"),  # each rank's input; the output is world x that
@@ -70,8 +72,9 @@ class Traffic:
 
 
 _GROUP_POSITION = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "_all_gather_base": 2,
-                   "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3, "all_to_all_single": 4,
-                   "all_gather": 2, "send": 2, "isend": 2}  # fmt: skip
+                   "all_gather_single": 2, "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3,
+                   "reduce_scatter_single": 3, "all_to_all_single": 4, "all_gather": 2, "send": 2,
+                   "isend": 2}  # fmt: skip
 
 
 def _group_argument(name: str, args: tuple[Any, ...]) -> Any:

@@ -308,10 +308,8 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
     if gather == 0:
         return None
     if setup.engine == "fsdp2":
-        # Gathers per micro-batch (again for backward at ZeRO 3); one fp32 reduce-scatter at the step.
         gathers = m * (2 if setup.stage == 3 else 1)
-        comm = gathers * gather + seconds("reduce-scatter", FP32)
-        return comm, f"{gathers} all-gathers, 1 fp32 reduce-scatter", True
+        return _priced(setup, cluster), f"{gathers} all-gathers, 1 fp32 reduce-scatter", True
     if setup.stage == 3:
         return _zero3_collectives(setup, cluster, m)
     if setup.stage == 0:
@@ -325,20 +323,25 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
     return seconds("reduce-scatter", accum) + gather, "1 reduce-scatter and 1 all-gather", False
 
 
-def _zero3_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float, str, bool]:
-    """ZeRO 3's collectives (planning.traffic): over the ZeRO group at the link it crosses; hpZ's
-    later gathers over its partition group inside a node."""
+def _priced(setup: Setup, cluster: Cluster) -> float:
+    """Seconds of the step's sharding collectives (planning.traffic): over the ZeRO group at the link
+    it crosses; hpZ's later gathers over its partition group inside a node."""
     ranks_per_node = traffic.hpz_ranks(setup)
-    comm = sum(
+    return sum(
         c.count
         * (
             _collective_seconds(c.kind, c.nbytes, setup.layout, ("dp", "sp"), cluster)
             if c.group == traffic.ZERO_GROUP
             else _in_node_seconds(c.kind, c.nbytes, ranks_per_node, cluster)
         )
-        for c in traffic.zero3_collectives(setup)
+        for c in traffic.sharding_collectives(setup) or []
         if c.nbytes and c.count
     )
+
+
+def _zero3_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float, str, bool]:
+    """ZeRO 3's collectives priced, and what they are."""
+    comm, ranks_per_node = _priced(setup, cluster), traffic.hpz_ranks(setup)
     again = traffic.backward_gathered_elements(setup) / setup.rank_params
     if ranks_per_node <= 1:
         return comm, f"{m} x (all-gather, {again:.0%} again for backward, reduce-scatter)", True

@@ -1,5 +1,5 @@
-"""ZeRO 3's collectives in one step as volumes: what each moves (its whole tensor), how often, over which
-group. The time model prices them (planning.timing); a run's measured `comm_bytes`
+"""ZeRO 3's and FSDP2's collectives in one step as volumes: what each moves (its whole tensor), how
+often, over which group. The time model prices them (planning.timing); a run's measured `comm_bytes`
 (parallel.traffic) is held against them. Torch-free, like the rest of the planning layer.
 
 DeepSpeed's ZeRO 3 (0.19, once the first step has recorded the order its modules run in) gathers
@@ -14,6 +14,11 @@ gathers once per micro-batch, and a 7B model re-gathers all but its last blocks.
 Under ZeRO++ hpZ, freeing a weight leaves a copy partitioned within the node (until the step:
 stage3.invalidate_secondary_tensor), which every later gather of the step reads inside the node: only
 the first micro-batch's forward gathers over the ZeRO group.
+
+FSDP2 as llmtrain runs it (engine.fsdp2: a unit per block and the root, gradients synchronised on a
+step's last micro-batch) gathers every unit for each micro-batch's forward and, at --zero 3 (reshard
+after forward), again for its backward, and reduce-scatters the gradients once a step in fp32 (its
+reduce dtype). Measured on the loopback cluster (bench/results/traffic.json).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from llmtrain.planning.memory.setup import Setup, parameter_tensors
 
 ZERO_GROUP, NODE_GROUP = "zero", "node"
+FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,32 @@ def zero3_collectives(setup: Setup) -> list[Collective]:
     ]
 
 
-def zero3_bytes_by_span(setup: Setup, ranks_per_node: int) -> dict[str, int]:
-    """One step's ZeRO 3 volumes by where their group lies, in parallel.traffic's keys: the ZeRO group
-    spans nodes when the world does (data parallelism alone); hpZ's group is a node."""
+def fsdp2_collectives(setup: Setup) -> list[Collective]:
+    """One step's unit gathers and its gradient reduce-scatter under FSDP2 (--zero 2 or 3)."""
+    m = setup.accumulation_steps
+    gathers = m * (2 if setup.stage == 3 else 1)
+    return [
+        Collective("all-gather", setup.rank_params * setup.lp_bytes, gathers, ZERO_GROUP),
+        Collective("reduce-scatter", setup.rank_params * FP32, 1, ZERO_GROUP),
+    ]
+
+
+def sharding_collectives(setup: Setup) -> list[Collective] | None:
+    """The collectives that shard the weights (FSDP2, ZeRO 3); None for the other stages."""
+    if setup.engine == "fsdp2":
+        return fsdp2_collectives(setup)
+    return zero3_collectives(setup) if setup.stage == 3 else None
+
+
+def bytes_by_span(setup: Setup, ranks_per_node: int) -> dict[str, int]:
+    """One step's sharding volumes by where their group lies, in parallel.traffic's keys: the ZeRO
+    group spans nodes when the world does (data parallelism alone); hpZ's group is a node."""
+    found = sharding_collectives(setup)
+    if found is None:
+        raise ValueError(f"no sharding collectives modelled for ZeRO {setup.stage} on {setup.engine}")
     spans = setup.world_size > ranks_per_node
     out = {"inside_node": 0, "across_nodes": 0}
-    for c in zero3_collectives(setup):
+    for c in found:
         across = spans and c.group == ZERO_GROUP
         out["across_nodes" if across else "inside_node"] += c.nbytes * c.count
     return out
