@@ -88,12 +88,13 @@ def init(timeout_s: float = 600.0) -> World:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = local_ranks()
     if accelerator == "cuda":
         torch.cuda.set_device(local_rank)
     else:
-        share_cores(local_ranks())
+        share_cores(local_world_size)
     # Before the process group and DeepSpeed's backend exist: they keep references to the collectives.
-    traffic.install(local_ranks())
+    traffic.install(local_world_size)
     if not dist.is_initialized():
         import deepspeed
 
@@ -115,7 +116,7 @@ def init(timeout_s: float = 600.0) -> World:
                 dist_backend=backend, timeout=timeout, rank=rank, world_size=world_size
             )
     _register_process(rank)
-    return World(rank, local_rank, world_size, accelerator, local_world_size=local_ranks())
+    return World(rank, local_rank, world_size, accelerator, local_world_size)
 
 
 def _elastic_attempt_store(world_size: int, timeout: timedelta) -> Any:

@@ -21,20 +21,20 @@ import torch.distributed as dist
 
 INSIDE, ACROSS = "inside_node", "across_nodes"
 
-# name -> which argument holds the tensor whose bytes count (position, keyword).
-_COUNTED: dict[str, tuple[int, str]] = {
-    "all_reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"),
-    "all_gather_into_tensor": (0, "output_tensor"),
-    "all_gather_single": (0, "output_tensor"),  # torch 2.13's name, which FSDP2 calls
-    "_all_gather_base": (0, "output_tensor"),
-    "reduce_scatter_tensor": (1, "input"),
-    "reduce_scatter_single": (1, "input"),
-    "_reduce_scatter_base": (1, "input"),
-    "all_to_all_single": (1, "input"),
-    "all_gather": (1, "tensor"),  # each rank's input; the output is world x that
-    "send": (0, "tensor"),
-    "isend": (0, "tensor"),
+# name -> (position, keyword) of the argument whose tensor's bytes count, and the group's position.
+_COUNTED: dict[str, tuple[int, str, int]] = {
+    "all_reduce": (0, "tensor", 2),
+    "broadcast": (0, "tensor", 2),
+    "all_gather_into_tensor": (0, "output_tensor", 2),
+    "all_gather_single": (0, "output_tensor", 2),  # torch 2.13's name, which FSDP2 calls
+    "_all_gather_base": (0, "output_tensor", 2),
+    "reduce_scatter_tensor": (1, "input", 3),
+    "reduce_scatter_single": (1, "input", 3),
+    "_reduce_scatter_base": (1, "input", 3),
+    "all_to_all_single": (1, "input", 4),
+    "all_gather": (1, "tensor", 2),  # each rank's input; the output is world x that
+    "send": (0, "tensor", 2),
+    "isend": (0, "tensor", 2),
 }
 
 
@@ -48,14 +48,15 @@ class Traffic:
         self._span_of_group: dict[Any, str] = {}
 
     def count(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        position, keyword = _COUNTED[name]
+        position, keyword, group_position = _COUNTED[name]
         tensor = kwargs.get(keyword, args[position] if len(args) > position else None)
         if not isinstance(tensor, torch.Tensor):
             return
+        group = kwargs.get("group", args[group_position] if len(args) > group_position else None)
         nbytes = tensor.numel() * tensor.element_size()
         if name == "all_gather":
-            nbytes *= dist.get_world_size(kwargs.get("group", args[2] if len(args) > 2 else None))
-        self.bytes[self._span(kwargs.get("group", _group_argument(name, args)))] += nbytes
+            nbytes *= dist.get_world_size(group)
+        self.bytes[self._span(group)] += nbytes
 
     def _span(self, group: Any) -> str:
         key = group if group is not None else "world"
@@ -69,17 +70,6 @@ class Traffic:
         """The bytes since the last call, by span; the counts start again from zero."""
         taken, self.bytes = self.bytes, {INSIDE: 0, ACROSS: 0}
         return taken
-
-
-_GROUP_POSITION = {"all_reduce": 2, "broadcast": 2, "all_gather_into_tensor": 2, "_all_gather_base": 2,
-                   "all_gather_single": 2, "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3,
-                   "reduce_scatter_single": 3, "all_to_all_single": 4, "all_gather": 2, "send": 2,
-                   "isend": 2}  # fmt: skip
-
-
-def _group_argument(name: str, args: tuple[Any, ...]) -> Any:
-    position = _GROUP_POSITION[name]
-    return args[position] if len(args) > position else None
 
 
 _installed: Traffic | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
@@ -37,11 +37,7 @@ class ZeroPlus:
     @property
     def flags(self) -> str:
         """The flags that turn on what is on, for an error: `--shard-within-node --quantize-grads`."""
-        on = (self.shard_within_node, self.quantize_weights, self.quantize_grads)
-        return " ".join(f for f, set_ in zip(ZERO_PLUS_FLAGS, on, strict=True) if set_)
-
-
-ZERO_PLUS_FLAGS = ("--shard-within-node", "--quantize-weights", "--quantize-grads")
+        return " ".join(flag_for(f"zero.{f.name}") for f in fields(self) if getattr(self, f.name))
 
 
 @dataclass(frozen=True)

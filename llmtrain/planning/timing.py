@@ -308,7 +308,7 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
     if gather == 0:
         return None
     if setup.engine == "fsdp2":
-        gathers = m * (2 if setup.stage == 3 else 1)
+        gathers = sum(c.count for c in traffic.fsdp2_collectives(setup) if c.kind == "all-gather")
         return _priced(setup, cluster), f"{gathers} all-gathers, 1 fp32 reduce-scatter", True
     if setup.stage == 3:
         return _zero3_collectives(setup, cluster, m)
@@ -326,7 +326,7 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
 def _priced(setup: Setup, cluster: Cluster) -> float:
     """Seconds of the step's sharding collectives (planning.traffic): over the ZeRO group at the link
     it crosses; hpZ's later gathers over its partition group inside a node."""
-    ranks_per_node = traffic.hpz_ranks(setup)
+    ranks_per_node = setup.hpz_ranks
     return sum(
         c.count
         * (
@@ -341,7 +341,7 @@ def _priced(setup: Setup, cluster: Cluster) -> float:
 
 def _zero3_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float, str, bool]:
     """ZeRO 3's collectives priced, and what they are."""
-    comm, ranks_per_node = _priced(setup, cluster), traffic.hpz_ranks(setup)
+    comm, ranks_per_node = _priced(setup, cluster), setup.hpz_ranks
     again = traffic.backward_gathered_elements(setup) / setup.rank_params
     if ranks_per_node <= 1:
         return comm, f"{m} x (all-gather, {again:.0%} again for backward, reduce-scatter)", True

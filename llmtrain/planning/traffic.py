@@ -39,11 +39,6 @@ class Collective:
     group: str  # ZERO_GROUP, or NODE_GROUP (hpZ's partition group)
 
 
-def hpz_ranks(setup: Setup) -> int:
-    """Ranks of hpZ's partition group (a node's); 1 without hpZ."""
-    return int(setup.zero.get("zero_hpz_partition_size", 1))
-
-
 def backward_gathered_elements(setup: Setup) -> int:
     """Elements ZeRO 3 gathers again for each backward: the weights it freed after their forward, those
     whose reuse distance (twice the weights used after them in forward) reaches the configured maximum;
@@ -67,7 +62,7 @@ def zero3_collectives(setup: Setup) -> list[Collective]:
     again = backward_gathered_elements(setup) * lp
     # Gradients are reduced in the model dtype (DeepSpeed's communication_data_type).
     reduce_scatter = Collective("reduce-scatter", weights, m, ZERO_GROUP)
-    if hpz_ranks(setup) <= 1:
+    if setup.hpz_ranks <= 1:
         gathers = [
             Collective("all-gather", weights, m, ZERO_GROUP),
             Collective("all-gather", again, m, ZERO_GROUP),

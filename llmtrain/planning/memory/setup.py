@@ -136,6 +136,11 @@ class Setup:
         model dtype."""
         return bytes_of(self.ds.get("data_types", {}).get("grad_accum_dtype", self.precision))
 
+    @property
+    def hpz_ranks(self) -> int:
+        """Ranks of ZeRO++ hpZ's partition group (a node's), as DeepSpeed's dict has it; 1 without hpZ."""
+        return int(self.zero.get("zero_hpz_partition_size", 1))
+
     @cached_property
     def zero(self) -> dict[str, Any]:
         """The zero_optimization section, with buckets at their floor for a bare --params."""

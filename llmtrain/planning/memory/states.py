@@ -138,7 +138,7 @@ def secondary_partition_elements(setup: Setup) -> int:
     parameter ZeRO 3 does not keep whole, padded to a multiple of the ZeRO group, over the node's ranks
     (partition_parameters._partition_param_sec). It exists from a block's first forward until the step
     (stage3.invalidate_secondary_tensor), so through backward: at the model states' peak."""
-    ranks_per_node = setup.zero.get("zero_hpz_partition_size", 1)
+    ranks_per_node = setup.hpz_ranks
     if ranks_per_node <= 1:
         return 0
     n = setup.zero_group
@@ -154,10 +154,9 @@ def _stage3_states(setup: Setup, p: int, part: float, b: int, a: int, optim: int
     params, grads, states = round(b * part), round(a * part), round(optim * part)
     secondary = b * secondary_partition_elements(setup)
     params += secondary  # where the partition lives (DeepSpeed allocates both on its remote device)
-    hpz = setup.zero.get("zero_hpz_partition_size", 1)
     notes = {
         "params": "partition / ZeRO group"
-        + (f" + hpZ's second partition / {hpz} ranks per node" if secondary else "")
+        + (f" + hpZ's second partition / {setup.hpz_ranks} ranks per node" if secondary else "")
         + " + small persistent params whole",
         "grads": f"{'fp32' if a == FP32 else setup.precision} partition"
         + ("" if setup.offload == "none" else ", on the CPU"),  # NVMe offload keeps them there too
