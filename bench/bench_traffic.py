@@ -1,15 +1,15 @@
-"""What a step sends across nodes, measured against planning.traffic's formula: flat ZeRO 3, ZeRO++ hpZ
-and FSDP2 (--zero 3) on the loopback two-node cluster of the tests (tests/cluster.py: sshd on 127.0.0.2 and
+"""What a step sends across nodes, measured against planning.traffic's formula: flat ZeRO 3, ZeRO++ hpZ,
+FSDP2 sharded over all ranks and HSDP (FSDP2 sharded within each node), all --zero 3, on the loopback two-node cluster of the tests (tests/cluster.py: sshd on 127.0.0.2 and
 127.0.0.3 as node-a and node-b; needs root, and Debian's openssh-server and pdsh, which it installs).
 
-`python -m bench traffic` (about 70 s on a 2-core CPU): for each layout, `llmtrain train
+`python -m bench traffic` (about 90 s on a 2-core CPU): for each layout, `llmtrain train
 --hostfile H --nodes 2 --gpus 2 --zero 3` through pdsh (the debug model, fp32, two micro-batches a
 step), then from its metrics.jsonl every step's `comm_bytes` (rank 0's collective bytes by whether
 their group spans nodes) after the first (which records DeepSpeed's module order), beside the formula
 for the run's own config, and tokens/s. The jobs run one after the other, each alone on the cores.
 
 bench/results/traffic.json keeps the settings, each layout's measured and predicted bytes and the
-ratios hpZ over flat; tests/test_bench_traffic.py holds the measured bytes to the formula (within 10%)
+ratios hpZ over flat ZeRO 3 and HSDP over FSDP2; tests/test_bench_traffic.py holds the measured bytes to the formula (within 10%)
 and the recorded predictions to what the formula says today.
 """
 
@@ -37,7 +37,8 @@ FLAGS = ["--preset", "debug", "--precision", "fp32", "--seq-len", "32", "--micro
 LAYOUTS: dict[str, list[str]] = {
     "flat zero3": [],
     "hpz": ["--shard-within-node"],
-    "fsdp2 zero3": ["--engine", "fsdp2"],
+    "fsdp2 zero3": ["--engine", "fsdp2", "--dp-shard", str(NODES * PER_NODE)],  # sharded over all ranks
+    "hsdp": ["--engine", "fsdp2"],  # FSDP2's default on several nodes: a node's ranks shard
 }
 SPANS = ("inside_node", "across_nodes")
 
@@ -91,23 +92,28 @@ def main() -> None:
         hostfile = nodes.hostfile(root / "hostfile", {"node-a": PER_NODE, "node-b": PER_NODE})
         env = nodes.env(dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline"))
         rows = {name: _run(name, flags, root, env, hostfile) for name, flags in LAYOUTS.items()}
-    flat, hpz = rows["flat zero3"], rows["hpz"]
-
-    def median(row: dict[str, Any], span: str) -> float:
-        return statistics.median(row["comm_bytes_per_step"][span])
-
     result = {
         "machine": rundir.environment(NODES * PER_NODE),
         "cluster": f"{NODES} loopback nodes x {PER_NODE} processes, pdsh",
         "rows": rows,
-        "hpz_over_flat": {
-            "across_nodes_bytes": median(hpz, "across_nodes") / median(flat, "across_nodes"),
-            "predicted_across_nodes_bytes": hpz["predicted"]["across_nodes"]
-            / flat["predicted"]["across_nodes"],
-            "tokens_per_sec": hpz["median_tokens_per_sec"] / flat["median_tokens_per_sec"],
-        },
+        "hpz_over_flat": _ratios(rows["hpz"], rows["flat zero3"]),
+        "hsdp_over_fsdp2": _ratios(rows["hsdp"], rows["fsdp2 zero3"]),
     }
     write_result(result, OUT)
+
+
+def _ratios(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float]:
+    """`row` over `baseline`: measured and predicted bytes across nodes, and tokens/s."""
+
+    def across(measured: dict[str, Any]) -> float:
+        return statistics.median(measured["comm_bytes_per_step"]["across_nodes"])
+
+    return {
+        "across_nodes_bytes": across(row) / across(baseline),
+        "predicted_across_nodes_bytes": row["predicted"]["across_nodes"]
+        / baseline["predicted"]["across_nodes"],
+        "tokens_per_sec": row["median_tokens_per_sec"] / baseline["median_tokens_per_sec"],
+    }
 
 
 if __name__ == "__main__":

@@ -256,6 +256,7 @@ SIZING_FLAGS = (
     "--tp",
     "--sp",
     "--pp",
+    "--dp-shard",
     "--pp-schedule",
     "--pp-partition",
     "--precision",

@@ -25,7 +25,7 @@ from llmtrain import init_source
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
 from llmtrain.planning import rules
-from llmtrain.planning.layout import Layout, check_shape
+from llmtrain.planning.layout import Layout, check_shape, fsdp_shard_ranks
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
 from llmtrain.units import parse_bytes
 
@@ -209,6 +209,11 @@ class ParallelConfig:
         1, "sequence-parallel degree (Ulysses): each rank holds seq_len / sp tokens of every sequence"
     )
     pp: int = _f(1, "pipeline-parallel degree: consecutive blocks in this many stages, one per rank")
+    dp_shard: int | None = _f(
+        None,
+        "FSDP2: shard over groups of this many data-parallel ranks and replicate across the groups "
+        "(HSDP); none = the ranks of one node when the run spans several nodes, else all of them",
+    )
     pp_schedule: PipeSchedule = _f(
         "1f1b",
         "pipeline schedule: 1f1b (one forward, one backward) or gpipe (all forwards, then all backwards)",
@@ -311,8 +316,9 @@ class TrainConfig:
         t = self.train
         zero_plus = rules.ZeroPlus(z.shard_within_node, z.quantize_weights, z.quantize_grads)
         return rules.Choice(
-            z.stage, z.offload, t.precision, accelerator, p.tp, p.sp, p.pp, t.engine, zero_plus
-        )
+            z.stage, z.offload, t.precision, accelerator, p.tp, p.sp, p.pp, t.engine, zero_plus,
+            dp_shard=p.dp_shard,
+        )  # fmt: skip
 
     @property
     def data_parallel(self) -> int:
@@ -828,6 +834,8 @@ def _validate_train(cfg: TrainConfig) -> None:
     if t.global_batch is not None:
         _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
     check_layout(cfg, cfg.layout())
+    if t.engine == "fsdp2":
+        fsdp_shard_ranks(cfg.layout().dp, cfg.parallel.dp_shard, cfg.launch.gpus)
     rules.batch_triple(t.micro_batch, t.global_batch, cfg.data_parallel)
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")

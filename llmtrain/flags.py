@@ -20,6 +20,7 @@ FLAG_KEYS: dict[str, str] = {
     "--tp": "parallel.tp",
     "--sp": "parallel.sp",
     "--pp": "parallel.pp",
+    "--dp-shard": "parallel.dp_shard",
     "--pp-schedule": "parallel.pp_schedule",
     "--pp-partition": "parallel.pp_partition",
     "--precision": "train.precision",

@@ -158,6 +158,19 @@ CASES: dict[str, Case] = {
     ),
     "pp-schedule": Case(f"{T} --gpus 2 --pp 2 --pp-schedule zigzag", "--pp-schedule", RUN),
     # ---- train: ZeRO++ where DeepSpeed cannot run it, refused before any process starts
+    "dp-shard-deepspeed": Case(
+        f"{T} --gpus 2 --zero 3 --dp-shard 1",
+        "--dp-shard: with --engine deepspeed: replicating across shard groups (HSDP) is FSDP2's",
+        RUN,
+    ),
+    "dp-shard-not-dividing": Case(
+        f"{T} --gpus 4 --engine fsdp2 --zero 3 --dp-shard 3",
+        "--dp-shard: 3 does not divide the 4 data-parallel ranks",
+        RUN,
+    ),
+    "dp-shard-zero": Case(
+        f"{T} --gpus 2 --engine fsdp2 --zero 3 --dp-shard 0", "--dp-shard: must be at least 1, got 0", RUN
+    ),
     "hpz-zero2": Case(f"{T} --zero 2 --shard-within-node", "--zero: --shard-within-node with --zero 2", RUN),
     "hpz-fsdp2": Case(
         f"{T} --engine fsdp2 --zero 3 --shard-within-node",

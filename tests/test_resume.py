@@ -684,6 +684,18 @@ def test_saved_on_one_process_resumed_on_two(root: Path, references: References,
     _assert_continued(reference, run_dir, setup, from_step, 1e-5)
 
 
+def test_fsdp2_resumed_as_hsdp_continues(root: Path, references: References) -> None:
+    """The two-process FSDP2 run (one shard group of 2) resumed with --dp-shard 1: 2 replicas of 1
+    shard, both sizes of the mesh changed; DCP loads the sharded checkpoint into the replicated
+    tensors. ~15 s."""
+    reference = references(FSDP2_2)
+    from_step = 8
+    run_dir = copy_run(reference, root / "fsdp2_as_hsdp", keep_up_to=from_step)
+    run_cli(["resume", run_dir, "--dp-shard", "1", "--master-port", free_port()], root / "fsdp2_as_hsdp.log")
+    assert json.loads((run_dir / "fsdp2_plan.json").read_text())["mesh"] == {"replicate": 2, "shard": 1}
+    _assert_continued(reference, run_dir, FSDP2_2, from_step, 1e-6)
+
+
 # ---------------------------------------------------------------- 6. damaged and unsafe checkpoints
 
 

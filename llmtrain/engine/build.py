@@ -16,7 +16,7 @@ def engine_config(cfg: TrainConfig, world: World, load_universal: bool = False) 
     """What the engine is built from, kept in the run directory: fsdp2_plan.build's dict for FSDP2,
     dsconfig.build's for DeepSpeed (`load_universal`: resuming from a universal checkpoint)."""
     if cfg.train.engine == "fsdp2":
-        return fsdp2_plan.build(cfg, world.world_size)
+        return fsdp2_plan.build(cfg, world.world_size, ranks_per_node=world.local_world_size)
     return dsconfig.build(
         cfg, world.world_size, world.accelerator, load_universal, ranks_per_node=world.local_world_size
     )

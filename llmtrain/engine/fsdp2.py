@@ -1,6 +1,9 @@
 """The FSDP2 engine: the same Llama, `fully_shard` per block and then on the root, with torch's AdamW.
 
 How the flags map:
+- `--dp-shard N` (by default a node's ranks when the run spans nodes): HSDP, a 2-D mesh of
+  replicate x shard; each parameter is sharded over N consecutive ranks, the gradient shards are
+  all-reduced across the replicas. Over all ranks (one node, or N = world) it is plain FSDP.
 - `--zero 3`: parameters resharded after each block's forward (gathered again for backward);
   `--zero 2`: kept gathered from forward to backward (more memory, one all-gather fewer per block).
   FSDP2 always shards gradients and optimizer states with the parameters: ZeRO 0 and 1, and NVMe
@@ -53,8 +56,16 @@ def build_engine(
         if units["offload_policy"] == "cpu"
         else OffloadPolicy()
     )
+    shape = plan["mesh"]
+    mesh = (
+        init_device_mesh(
+            accelerator, (shape["replicate"], shape["shard"]), mesh_dim_names=("replicate", "shard")
+        )
+        if shape["replicate"] > 1
+        else init_device_mesh(accelerator, (world_size,))
+    )
     shard: dict[str, Any] = {
-        "mesh": init_device_mesh(accelerator, (world_size,)),
+        "mesh": mesh,
         "reshard_after_forward": units["reshard_after_forward"],
         "mp_policy": MixedPrecisionPolicy(**dtypes),
         "offload_policy": offload,

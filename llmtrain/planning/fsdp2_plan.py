@@ -9,12 +9,15 @@ from typing import Any
 from llmtrain import precision
 from llmtrain.config import TrainConfig
 from llmtrain.planning import rules
+from llmtrain.planning.layout import fsdp_mesh
 
 
-def build(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    global_batch, micro, accumulation = rules.batch_triple(
-        cfg.train.micro_batch, cfg.train.global_batch, cfg.layout(world_size).dp
-    )
+def build(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> dict[str, Any]:
+    """`ranks_per_node`: the processes of each node (default --gpus), as the running job finds them:
+    on several nodes FSDP2 shards within them by default (HSDP)."""
+    dp = cfg.layout(world_size).dp
+    global_batch, micro, accumulation = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, dp)
+    mesh = fsdp_mesh(dp, cfg.parallel.dp_shard, ranks_per_node or cfg.launch.gpus)
     # auto is decided by now in a run's config; elsewhere (`llmtrain config`) as a run here would decide it.
     bf16 = precision.concrete(cfg.train.precision) == "bf16"
     o = cfg.optim
@@ -23,6 +26,9 @@ def build(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         "train_batch_size": global_batch,
         "micro_batch_per_rank": micro,
         "gradient_accumulation_steps": accumulation,
+        # HSDP when replicate > 1: each parameter sharded over `shard` ranks (consecutive ones, a node's),
+        # the shards' gradients all-reduced across the `replicate` groups.
+        "mesh": mesh,
         "fully_shard": {
             "units": [f"layers.{i}" for i in range(cfg.model.num_hidden_layers)] + ["root"],
             "reshard_after_forward": cfg.zero.stage == 3,

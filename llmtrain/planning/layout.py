@@ -82,6 +82,32 @@ class Layout:
         )
 
 
+def fsdp_shard_ranks(dp: int, dp_shard: int | None, ranks_per_node: int) -> int:
+    """The data-parallel ranks FSDP2 shards each parameter over (HSDP replicates across dp / that many
+    groups): `--dp-shard` when given, else one node's ranks when the ranks span several nodes of equal
+    size (the gathers and reduce-scatters stay inside the node; only an all-reduce of the gradient shard
+    crosses), else all of them."""
+    if dp_shard is not None:
+        _require(dp_shard >= 1, "parallel.dp_shard", f"must be at least 1, got {dp_shard}")
+        _require(
+            dp % dp_shard == 0,
+            "parallel.dp_shard",
+            f"{dp_shard} does not divide the {dp} data-parallel ranks (--gpus x --nodes); use a divisor "
+            "of it (--dp-shard with the ranks of one node shards inside each node)",
+        )
+        return dp_shard
+    if 1 < ranks_per_node < dp and dp % ranks_per_node == 0:
+        return ranks_per_node
+    return dp
+
+
+def fsdp_mesh(dp: int, dp_shard: int | None, ranks_per_node: int) -> dict[str, int]:
+    """FSDP2's 2-D device mesh over the data-parallel ranks: {"replicate": R, "shard": S}, R x S = dp;
+    HSDP when R > 1."""
+    shard = fsdp_shard_ranks(dp, dp_shard, ranks_per_node)
+    return {"replicate": dp // shard, "shard": shard}
+
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{flag_for(key)}: {message}")

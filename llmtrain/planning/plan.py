@@ -6,7 +6,8 @@ mode and every micro-batch that divides the global batch; the memory model keeps
 cluster's devices and the time model ranks them. The global batch and sequence length stay the
 request's, so every row trains the same tokens per step. Flags the user gave pin their part of the
 layout (`--zero 3` searches ZeRO 3 only). On several nodes ZeRO 3 is also tried with hpZ
-(--shard-within-node), whose gathers after the first of a step stay inside each node.
+(--shard-within-node), whose gathers after the first of a step stay inside each node, and FSDP2 both as
+HSDP (sharded within each node, its default there) and sharded over all ranks (--dp-shard WORLD).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ LAYOUT_KEYS = (
     "train.micro_batch",
     "train.activation_checkpointing",
     "zero.shard_within_node",
+    "parallel.dp_shard",
 )
 
 
@@ -114,6 +116,7 @@ def _layouts(setup: Setup, pinned: dict[str, object]) -> Iterator[list[Setup]]:
                             engine=engine,
                             keep_batch=True,
                             shard_within_node=choice.zero_plus.shard_within_node,
+                            dp_shard=choice.dp_shard,
                         )
                         for micro in reversed(_micro_batches(setup, tp, sp, pp, pinned))
                     ]
@@ -123,14 +126,25 @@ def _choices(
     setup: Setup, tp: int, sp: int, pp: int, engine: str, pinned: dict[str, object]
 ) -> Iterator[rules.Choice]:
     """The stage and offload combinations the rules allow and the pins admit, each also with ZeRO++ hpZ
-    where it composes (ZeRO 3 on several nodes)."""
+    where it composes (ZeRO 3 on several nodes), and on FSDP2 with each shard group (_shard_groups)."""
     for choice in rules.combinations(setup.precision, "cuda", tp, sp, pp, engine):
         if not _allowed(pinned, {"zero.stage": choice.stage, "zero.offload": choice.offload}):
             continue
         hpz_options = (False, True) if rules.composes_with_hpz(choice, setup.cfg.launch.nodes) else (False,)
         for hpz in hpz_options:
             if _allowed(pinned, {"zero.shard_within_node": hpz}):
-                yield replace(choice, zero_plus=rules.ZeroPlus(shard_within_node=hpz))
+                for dp_shard in _shard_groups(setup, engine, pinned):
+                    yield replace(choice, zero_plus=rules.ZeroPlus(shard_within_node=hpz), dp_shard=dp_shard)
+
+
+def _shard_groups(setup: Setup, engine: str, pinned: dict[str, object]) -> tuple[int | None, ...]:
+    """FSDP2's shard groups to try: the pinned one; on several nodes its default (a node's ranks, HSDP)
+    and all ranks (its gathers then cross nodes, but each rank holds 1/world of the states)."""
+    if engine != "fsdp2":
+        return (None,)
+    if "parallel.dp_shard" in pinned:
+        return (int(str(pinned["parallel.dp_shard"])),)
+    return (None, setup.world_size) if setup.cfg.launch.nodes > 1 else (None,)
 
 
 def _pinned(pinned: dict[str, object], key: str, values: tuple[str, ...]) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ def train_command(row: PlanRow, cfg_args: dict[str, Any]) -> str:
             words += _flag(key, value)
     values = {key: config.get(row.setup.cfg, key) for key in (*LAYOUT_KEYS, *REQUEST_KEYS)}
     for key, value in values.items():
-        if not (key.startswith("parallel.") and value == 1) and value is not False:
+        if not (key.startswith("parallel.") and value == 1) and value not in (False, None):
             words += _flag(key, value)
     return shlex.join(words)
 
@@ -71,6 +71,7 @@ def _row(row: PlanRow, memory: int, cfg_args: dict[str, Any]) -> dict[str, Any]:
         "engine": c.train.engine,
         "zero_stage": c.zero.stage,
         "shard_within_node": c.zero.shard_within_node,
+        "fsdp_mesh": row.setup.fsdp_mesh if c.train.engine == "fsdp2" else None,
         "offload": c.zero.offload,
         "tp": c.parallel.tp,
         "sp": c.parallel.sp,
@@ -108,7 +109,7 @@ def render(doc: dict[str, Any], title: str) -> None:
         engine = (
             f"ZeRO {r['zero_stage']}" + (" hpZ" if r["shard_within_node"] else "")
             if r["engine"] == "deepspeed"
-            else f"FSDP2 --zero {r['zero_stage']}"
+            else f"FSDP2 --zero {r['zero_stage']}" + (" HSDP" if r["fsdp_mesh"]["replicate"] > 1 else "")
         )
         table.add_row(
             str(i),

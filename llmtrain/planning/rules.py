@@ -56,6 +56,7 @@ class Choice:
     engine: str = "deepspeed"
     zero_plus: ZeroPlus = ZeroPlus()
     nodes: int | None = None
+    dp_shard: int | None = None  # FSDP2's shard group (HSDP); None: as layout.fsdp_shard_ranks decides
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,14 @@ RULES: tuple[Rule, ...] = (
         lambda c: c.engine == "fsdp2" and (c.tp > 1 or c.sp > 1 or c.pp > 1),
         "--engine fsdp2 with --tp/--sp/--pp: llmtrain's tensor, sequence and pipeline parallelism run on "
         "DeepSpeed; use --engine deepspeed, or FSDP2 with data parallelism only",
+    ),
+    Rule(
+        "parallel.dp_shard",
+        # DeepSpeed's own replicate-across / shard-inside (MiCS) is gone from 0.19 ("MiCS ZeRO-3 sharding
+        # has been removed"); hpZ keeps ZeRO 3's full sharding and adds a node-local copy instead.
+        lambda c: c.dp_shard is not None and c.engine != "fsdp2",
+        "with --engine {engine}: replicating across shard groups (HSDP) is FSDP2's; use --engine fsdp2, "
+        "or --shard-within-node (ZeRO++ hpZ) to keep ZeRO 3's gathers inside each node",
     ),
     Rule(
         "zero.offload",

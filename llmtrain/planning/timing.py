@@ -208,12 +208,11 @@ def _slowest_stage(setup: Setup) -> StageSpan:
 # ---------------------------------------------------------------- collectives
 
 
-def _group_bandwidth(layout: Layout, axes: tuple[str, ...], cluster: Cluster) -> tuple[float, float, int]:
-    """(bytes/s, seconds per ring step, size) of the first group along `axes`. Inside a node: NVLink.
+def _group_bandwidth(group: list[int], cluster: Cluster) -> tuple[float, float, int]:
+    """(bytes/s, seconds per ring step, size) of the group of ranks `group`. Inside a node: NVLink.
     Across nodes, NCCL runs one ring per NIC, so a group with k ranks on each node crosses at k NICs'
     bandwidth (at most NVLink's): all of a node's when the group holds the whole node, one NIC's when
     each node holds one of its ranks."""
-    group = layout.groups_along(axes)[0]
     per_node = cluster.devices_per_node
     nodes = {rank // per_node for rank in group}
     if len(nodes) == 1:
@@ -228,7 +227,7 @@ def _collective_seconds(
 ) -> float:
     """One collective over the first group along `axes`: `nbytes` is the whole tensor (all-reduce,
     reduce-scatter's input, all-gather's output) or the rank's buffer (all-to-all)."""
-    return _ring_seconds(kind, nbytes, *_group_bandwidth(layout, axes, cluster))
+    return _ring_seconds(kind, nbytes, *_group_bandwidth(layout.groups_along(axes)[0], cluster))
 
 
 def _ring_seconds(kind: str, nbytes: float, bandwidth: float, latency: float, n: int) -> float:
@@ -238,12 +237,6 @@ def _ring_seconds(kind: str, nbytes: float, bandwidth: float, latency: float, n:
     steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
     per_rank = nbytes * steps / n
     return per_rank / bandwidth + steps * latency
-
-
-def _in_node_seconds(kind: str, nbytes: float, n: int, cluster: Cluster) -> float:
-    """A collective of `n` ranks that share a node (hpZ's secondary partition group)."""
-    bandwidth = cluster.intra_node_bandwidth * cluster.link_efficiency
-    return _ring_seconds(kind, nbytes, bandwidth, cluster.intra_node_latency, n)
 
 
 def _model_parallel_terms(setup: Setup, cluster: Cluster, micro_batches: int) -> list[TimeTerm]:
@@ -276,7 +269,7 @@ def _pipeline_send_seconds(setup: Setup, cluster: Cluster) -> float:
     """One micro-batch's activation forward and gradient back across one stage boundary."""
     if setup.layout.pp == 1:
         return 0.0
-    bandwidth, latency, _ = _group_bandwidth(setup.layout, ("pp",), cluster)
+    bandwidth, latency, _ = _group_bandwidth(setup.layout.groups_along(("pp",))[0], cluster)
     return 2 * (hidden_state_bytes(setup) / bandwidth + latency)
 
 
@@ -308,8 +301,13 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
     if gather == 0:
         return None
     if setup.engine == "fsdp2":
-        gathers = sum(c.count for c in traffic.fsdp2_collectives(setup) if c.kind == "all-gather")
-        return _priced(setup, cluster), f"{gathers} all-gathers, 1 fp32 reduce-scatter", True
+        found = traffic.fsdp2_collectives(setup)
+        gathers = sum(c.count for c in found if c.kind == "all-gather")
+        what = f"{gathers} all-gathers, 1 fp32 reduce-scatter"
+        if any(c.group == traffic.REPLICA_GROUP for c in found):
+            replicas = setup.layout.dp // setup.fsdp_shard_ranks
+            what += f" over {setup.fsdp_shard_ranks} ranks, 1 fp32 all-reduce of the shard over {replicas} replicas"
+        return _priced(setup, cluster), what, True
     if setup.stage == 3:
         return _zero3_collectives(setup, cluster, m)
     if setup.stage == 0:
@@ -324,16 +322,11 @@ def _sharding_collectives(setup: Setup, cluster: Cluster, m: int) -> tuple[float
 
 
 def _priced(setup: Setup, cluster: Cluster) -> float:
-    """Seconds of the step's sharding collectives (planning.traffic): over the ZeRO group at the link
-    it crosses; hpZ's later gathers over its partition group inside a node."""
-    ranks_per_node = setup.hpz_ranks
+    """Seconds of the step's sharding collectives (planning.traffic), each over its group at the link
+    that group crosses (hpZ's later gathers and HSDP's shard group inside a node)."""
     return sum(
         c.count
-        * (
-            _collective_seconds(c.kind, c.nbytes, setup.layout, ("dp", "sp"), cluster)
-            if c.group == traffic.ZERO_GROUP
-            else _in_node_seconds(c.kind, c.nbytes, ranks_per_node, cluster)
-        )
+        * _ring_seconds(c.kind, c.nbytes, *_group_bandwidth(traffic.group_ranks(setup, c.group), cluster))
         for c in traffic.sharding_collectives(setup) or []
         if c.nbytes and c.count
     )
@@ -379,7 +372,7 @@ def _engine_overhead(setup: Setup, cluster: Cluster) -> list[TimeTerm]:
 
 def _optimizer_terms(setup: Setup, cluster: Cluster) -> list[TimeTerm]:
     partition = (
-        setup.rank_params / setup.zero_group
+        setup.rank_params / setup.state_shards
         if setup.stage > 0 or setup.engine == "fsdp2"
         else setup.rank_params
     )

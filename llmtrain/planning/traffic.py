@@ -18,7 +18,9 @@ the first micro-batch's forward gathers over the ZeRO group.
 FSDP2 as llmtrain runs it (engine.fsdp2: a unit per block and the root, gradients synchronised on a
 step's last micro-batch) gathers every unit for each micro-batch's forward and, at --zero 3 (reshard
 after forward), again for its backward, and reduce-scatters the gradients once a step in fp32 (its
-reduce dtype). Measured on the loopback cluster (bench/results/traffic.json).
+reduce dtype). Under HSDP (a replicate x shard mesh) all of that runs over the shard group, a node's
+ranks by default, and only an all-reduce of each rank's fp32 gradient shard crosses the replica group.
+Measured on the loopback cluster (bench/results/traffic.json).
 """
 
 from __future__ import annotations
@@ -27,16 +29,28 @@ from dataclasses import dataclass
 
 from llmtrain.planning.memory.setup import Setup, parameter_tensors
 
-ZERO_GROUP, NODE_GROUP = "zero", "node"
+# The groups a collective runs over: ZeRO's (the dp x sp ranks), hpZ's partition group (a node's ranks),
+# FSDP2's shard group (consecutive ranks) and its replica group (one rank of each shard group).
+ZERO_GROUP, NODE_GROUP, SHARD_GROUP, REPLICA_GROUP = "zero", "node", "shard", "replica"
 FP32 = 4
 
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # all-gather, reduce-scatter
-    nbytes: int  # the whole tensor: an all-gather's output, a reduce-scatter's input
+    kind: str  # all-gather, reduce-scatter, all-reduce
+    nbytes: int  # the whole tensor: an all-gather's output, a reduce-scatter's input, an all-reduce's
     count: int  # per step
-    group: str  # ZERO_GROUP, or NODE_GROUP (hpZ's partition group)
+    group: str  # one of the groups above
+
+
+def group_ranks(setup: Setup, group: str) -> list[int]:
+    """The first group of its kind, by rank (the others are alike, shifted)."""
+    if group == ZERO_GROUP:
+        return setup.layout.groups_along(("dp", "sp"))[0]
+    if group == NODE_GROUP:
+        return list(range(setup.hpz_ranks))
+    shard = setup.fsdp_shard_ranks
+    return list(range(shard)) if group == SHARD_GROUP else list(range(0, setup.layout.dp, shard))
 
 
 def backward_gathered_elements(setup: Setup) -> int:
@@ -77,13 +91,18 @@ def zero3_collectives(setup: Setup) -> list[Collective]:
 
 
 def fsdp2_collectives(setup: Setup) -> list[Collective]:
-    """One step's unit gathers and its gradient reduce-scatter under FSDP2 (--zero 2 or 3)."""
+    """One step's unit gathers and its gradient reduce-scatter under FSDP2 (--zero 2 or 3), over the
+    shard group; under HSDP the reduced shards are then all-reduced over the replica group."""
     m = setup.accumulation_steps
     gathers = m * (2 if setup.stage == 3 else 1)
-    return [
-        Collective("all-gather", setup.rank_params * setup.lp_bytes, gathers, ZERO_GROUP),
-        Collective("reduce-scatter", setup.rank_params * FP32, 1, ZERO_GROUP),
+    found = [
+        Collective("all-gather", setup.rank_params * setup.lp_bytes, gathers, SHARD_GROUP),
+        Collective("reduce-scatter", setup.rank_params * FP32, 1, SHARD_GROUP),
     ]
+    if setup.fsdp_shard_ranks < setup.layout.dp:
+        shard_bytes = -(-setup.rank_params // setup.fsdp_shard_ranks) * FP32
+        found.append(Collective("all-reduce", shard_bytes, 1, REPLICA_GROUP))
+    return found
 
 
 def sharding_collectives(setup: Setup) -> list[Collective] | None:
@@ -94,14 +113,13 @@ def sharding_collectives(setup: Setup) -> list[Collective] | None:
 
 
 def bytes_by_span(setup: Setup, ranks_per_node: int) -> dict[str, int]:
-    """One step's sharding volumes by where their group lies, in parallel.traffic's keys: the ZeRO
-    group spans nodes when the world does (data parallelism alone); hpZ's group is a node."""
+    """One step's sharding volumes by where their group lies, in parallel.traffic's keys (its nodes:
+    rank // ranks_per_node)."""
     found = sharding_collectives(setup)
     if found is None:
         raise ValueError(f"no sharding collectives modelled for ZeRO {setup.stage} on {setup.engine}")
-    spans = setup.world_size > ranks_per_node
     out = {"inside_node": 0, "across_nodes": 0}
     for c in found:
-        across = spans and c.group == ZERO_GROUP
+        across = len({rank // ranks_per_node for rank in group_ranks(setup, c.group)}) > 1
         out["across_nodes" if across else "inside_node"] += c.nbytes * c.count
     return out

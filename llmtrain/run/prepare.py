@@ -28,11 +28,13 @@ from llmtrain.planning.layout import check_resume
 from llmtrain.run import nodes
 from llmtrain.train import faults, schedule
 
-# Keys a resume may change: run length, cadences, logging, launch, and the tp and pp degrees (the
-# checkpoint is re-partitioned, checkpoint.universal; losses continue within float rounding).
+# Keys a resume may change: run length, cadences, logging, launch, the tp and pp degrees (the
+# checkpoint is re-partitioned, checkpoint.universal) and FSDP2's shard group (DCP reshards); losses
+# continue within float rounding.
 RESUME_MAY_CHANGE = (
     "parallel.tp",
     "parallel.pp",
+    "parallel.dp_shard",
     "train.steps",
     "train.tokens",
     "train.eval_every",

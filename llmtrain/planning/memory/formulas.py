@@ -178,6 +178,7 @@ class Estimate:
                 "data_parallel": s.layout.dp,
                 "layout": s.layout.describe(),
                 "zero_group": s.zero_group,
+                "fsdp_mesh": s.fsdp_mesh if s.engine == "fsdp2" else None,
                 "micro_batch": c.train.micro_batch,
                 "global_batch": s.ds["train_batch_size"],
                 "gradient_accumulation_steps": s.accumulation_steps,

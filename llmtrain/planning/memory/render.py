@@ -67,7 +67,9 @@ def _engine_stage(setup: dict[str, Any]) -> str:
     if setup["engine"] == "deepspeed":
         return f"ZeRO {setup['zero_stage']}"
     kept = "reshard after forward" if setup["zero_stage"] == 3 else "parameters gathered until backward"
-    return f"FSDP2 --zero {setup['zero_stage']} ({kept})"
+    mesh = setup["fsdp_mesh"]
+    hsdp = f", HSDP {mesh['replicate']} replicas x {mesh['shard']} shards" if mesh["replicate"] > 1 else ""
+    return f"FSDP2 --zero {setup['zero_stage']} ({kept}){hsdp}"
 
 
 def _render_pipeline(console: Any, pipe: dict[str, Any]) -> None:

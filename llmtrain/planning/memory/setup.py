@@ -14,7 +14,7 @@ from llmtrain.config import ModelConfig, TrainConfig
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
 from llmtrain.planning import dsconfig, partition
-from llmtrain.planning.layout import Layout
+from llmtrain.planning.layout import Layout, fsdp_mesh
 from llmtrain.planning.memory.pipeline import (
     StageSpan,
     heaviest,
@@ -66,6 +66,21 @@ class Setup:
         partitions its own slices) and pp (each stage's dp replicas), dp x sp under sp (sp ranks hold the
         same parameters)."""
         return self.world_size // (self.layout.tp * self.layout.pp)
+
+    @property
+    def fsdp_mesh(self) -> dict[str, int]:
+        """FSDP2's device mesh, as fsdp2_plan records it: {"replicate": R, "shard": S}; S is all
+        data-parallel ranks, or under HSDP (by default one node's on several nodes) a group of them."""
+        return fsdp_mesh(self.layout.dp, self.cfg.parallel.dp_shard, self.cfg.launch.gpus)
+
+    @property
+    def fsdp_shard_ranks(self) -> int:
+        return self.fsdp_mesh["shard"]
+
+    @property
+    def state_shards(self) -> int:
+        """Ranks a rank's optimizer states are partitioned over: FSDP2's shard group, or ZeRO's."""
+        return self.fsdp_shard_ranks if self.engine == "fsdp2" else self.zero_group
 
     @cached_property
     def rank_params(self) -> int:
@@ -171,17 +186,20 @@ class Setup:
         engine: str | None = None,
         keep_batch: bool = False,
         shard_within_node: bool = False,
+        dp_shard: int | None = None,
     ) -> Setup:
         """This setup under another layout (and `engine`, when given). A pipeline keeps this setup's
         global batch: its micro-batches per step (m) set both the activations it holds and its bubble,
         and comparing layouts means training the same batch (the caller checks it divides). Without one,
         accumulation costs no memory, so the global batch is left to its default, unless `keep_batch`
         (comparing step times, which accumulation sets). ZeRO++ hpZ is on only when `shard_within_node`
-        says so (it composes with ZeRO 3 alone)."""
+        says so (it composes with ZeRO 3 alone); FSDP2 shards over `dp_shard` ranks (None: its default,
+        layout.fsdp_shard_ranks)."""
         cfg = copy.deepcopy(self.cfg)
         cfg.train.engine = engine or cfg.train.engine  # type: ignore[assignment]
         cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]
         cfg.zero.shard_within_node = shard_within_node
+        cfg.parallel.dp_shard = dp_shard
         cfg.parallel.tp, cfg.parallel.sp, cfg.parallel.pp = tp, sp, pp
         if offload == "nvme" and not cfg.zero.nvme_path:
             cfg.zero.nvme_path = "/local_nvme"

@@ -220,19 +220,23 @@ def shard_units(model: ModelConfig) -> ShardUnits:
 
 
 def fsdp2_states(setup: Setup) -> ModelStates:
-    """FSDP2's model states: every rank keeps a 1/N shard of each parameter in fp32, which are the
+    """FSDP2's model states: every rank keeps a 1/N shard (N: its shard group) of each parameter in fp32, which are the
     masters (MixedPrecisionPolicy only casts the all-gather input to bf16: FSDPParam.all_gather_inputs),
     its gradient in fp32 (foreach_reduce leaves each shard's .grad a view of its unit's reduce-scatter
     output, reduced in the fp32 reduce dtype), and AdamW's exp_avg and exp_avg_sq shaped like the shard.
     CPUOffloadPolicy keeps all three in host memory: the shards are created there, each gradient shard is
     copied out of the reduce-scatter output to the CPU, and AdamW steps there."""
-    shard = setup.rank_params / setup.zero_group
+    ranks = setup.fsdp_shard_ranks
+    shard = setup.rank_params / ranks
     params, grads, moments = round(FP32 * shard), round(FP32 * shard), round(ADAM_MOMENTS * shard)
     where = _OFFLOAD_WHERE[setup.offload]
+    replicas = setup.layout.dp // ranks
+    # HSDP: the same shards on each of the replicas (all-reduced in place after the reduce-scatter).
+    group = f"{ranks} ranks" + (f", replicated {replicas}x (HSDP)" if replicas > 1 else "")
     notes = {
-        "params": f"fp32 shards / {setup.zero_group} ranks, the masters{where}",
+        "params": f"fp32 shards / {group}, the masters{where}",
         "grads": f"fp32 shards, views of each unit's reduce-scatter output{where}",
-        "optim": f"AdamW moments 8 B/param / {setup.zero_group} ranks, no master copy{where}",
+        "optim": f"AdamW moments 8 B/param / {ranks} ranks, no master copy{where}",
     }
     if setup.offload == "cpu":
         return ModelStates(params_cpu=params, grads_cpu=grads, optim_cpu=moments, notes=notes)
