@@ -18,6 +18,7 @@ LONGEST_FIRST = [
     "test_resume.py",
     "test_multinode.py",
     "test_zero_plus.py",
+    "test_hsdp.py",
     "test_parallel.py",
     "test_faults.py",
     "test_checkpoint.py",
