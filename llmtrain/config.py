@@ -25,7 +25,7 @@ from llmtrain import init_source
 from llmtrain.errors import ConfigError
 from llmtrain.flags import flag_for
 from llmtrain.planning import rules
-from llmtrain.planning.layout import Layout, check_shape, fsdp_shard_ranks
+from llmtrain.planning.layout import Layout, check_shape, fsdp_mesh
 from llmtrain.presets import DEFAULT_PRESET, PRESETS
 from llmtrain.units import parse_bytes
 
@@ -154,7 +154,7 @@ class TrainSection:
         "directory (RUN_DIR or RUN_DIR:STEP); the model shape and tokenizer come with them",
     )
     engine: EngineName = _f(
-        "deepspeed", "training engine: DeepSpeed (ZeRO 0-3, tp/sp/pp) or PyTorch FSDP2 (--zero 2 or 3)"
+        "deepspeed", "training engine: DeepSpeed (ZeRO 0-3, tp/sp/pp) or PyTorch FSDP2 (--zero 2 or 3, tp)"
     )
     activation_checkpointing: Checkpointing = _f("none", "recompute activations in backward")
     checkpoint_every_k: int = _f(2, "selective checkpointing: every k-th block")
@@ -834,8 +834,6 @@ def _validate_train(cfg: TrainConfig) -> None:
     if t.global_batch is not None:
         _require(t.global_batch > 0, "train.global_batch", f"must be positive, got {t.global_batch}")
     check_layout(cfg, cfg.layout())
-    if t.engine == "fsdp2":
-        fsdp_shard_ranks(cfg.layout().dp, cfg.parallel.dp_shard, cfg.launch.gpus)
     rules.batch_triple(t.micro_batch, t.global_batch, cfg.data_parallel)
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
@@ -850,7 +848,8 @@ def _validate_train(cfg: TrainConfig) -> None:
 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
-    """`layout` against the config's model shape and sequence length (planning.layout.check_shape)."""
+    """`layout` against the config's model shape and sequence length (planning.layout.check_shape), and
+    under FSDP2 its shard group and tensor-parallel split."""
     m = cfg.model
     check_shape(
         layout,
@@ -861,6 +860,16 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
         seq_len=cfg.train.seq_len,
         layers=m.num_hidden_layers,
     )
+    if cfg.train.engine == "fsdp2":
+        fsdp_mesh(layout, cfg.parallel.dp_shard, cfg.launch.gpus)
+        # ColwiseParallel splits k and v by rows: more tp ranks than key/value heads would split a head.
+        _require(
+            layout.tp <= m.num_key_value_heads,
+            "parallel.tp",
+            f"tp {layout.tp} with --engine fsdp2 is more than the {m.num_key_value_heads} key/value heads, "
+            "which FSDP2's tensor parallelism splits whole: use a divisor of them, or --engine deepspeed "
+            "(which replicates key/value heads)",
+        )
 
 
 def _validate_checkpointed_activations(cfg: TrainConfig) -> None:

@@ -63,7 +63,8 @@ class OutputLayer(nn.Linear):
 
     def forward(self, h: Tensor, labels: Tensor | None = None, divisor: Tensor | None = None) -> Tensor:
         """h [..., D] -> logits [..., V]; with labels [...] -> the summed loss / divisor (fp32 scalar)."""
-        return output_layer(h, self.weight, labels, divisor, self.chunk_rows, self.tp_group)
+        weight = tensor.local(self.weight)  # FSDP2 + tp: a DTensor of this rank's rows (parallel.dtensor_tp)
+        return output_layer(h, weight, labels, divisor, self.chunk_rows, self.tp_group)
 
 
 def output_layer(

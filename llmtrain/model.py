@@ -37,9 +37,10 @@ class RMSNorm(nn.Module):
         self.compiled = False  # Llama.compile_elementwise: the expression through torch.compile
 
     def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., D]
+        weight = tensor.local(self.weight)  # FSDP2 + tp: a DTensor replicated over tp
         if self.compiled:
-            return compiled("rms_norm")(x, self.weight, self.eps)
-        out: Tensor = _RMSNormFunction.apply(x, self.weight, self.eps)
+            return compiled("rms_norm")(x, weight, self.eps)
+        out: Tensor = _RMSNormFunction.apply(x, weight, self.eps)
         return out
 
 
@@ -386,14 +387,15 @@ def torch_recompute(block: Callable[..., Tensor], *inputs: Any) -> Tensor:
 
 class TokenEmbedding(nn.Embedding):
     """Token ids -> their rows; under tensor parallelism (`tp_group`, set by parallel.tensor.shard, which
-    keeps this rank's V / tp rows) each rank looks up the ids it holds and the ranks' rows are summed."""
+    keeps this rank's V / tp rows, or by FSDP2's parallel.dtensor_tp, a DTensor of them) each rank looks
+    up the ids it holds and the ranks' rows are summed."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.tp_group: Any = None
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return tensor.embed(input_ids, self.weight, self.tp_group)
+        return tensor.embed(input_ids, tensor.local(self.weight), self.tp_group)
 
 
 class Llama(nn.Module):

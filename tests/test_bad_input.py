@@ -211,8 +211,13 @@ CASES: dict[str, Case] = {
     "fsdp2-fp16": Case(
         f"{T} --engine fsdp2 --zero 3 --precision fp16", "--precision: fp16 with --engine fsdp2", RUN
     ),
-    "fsdp2-with-tp": Case(
-        f"{T} --gpus 2 --engine fsdp2 --zero 3 --tp 2", "--engine: --engine fsdp2 with --tp/--sp/--pp", RUN
+    "fsdp2-with-sp": Case(
+        f"{T} --gpus 2 --engine fsdp2 --zero 3 --sp 2", "--engine: --engine fsdp2 with --sp/--pp", RUN
+    ),
+    "fsdp2-tp-over-kv-heads": Case(
+        f"{T} --gpus 4 --engine fsdp2 --zero 3 --tp 4",
+        "--tp: tp 4 with --engine fsdp2 is more than the 2 key/value heads",
+        RUN,
     ),
     "heads-do-not-divide": Case(
         f"{T} --set model.num_attention_heads=3", "3 heads do not divide hidden_size", RUN

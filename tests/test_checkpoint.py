@@ -519,7 +519,7 @@ def _first_saves(rank: int, ws: int, root: str) -> dict[str, tuple[int, int, str
     deepspeed = _engine(1, seed=1)
     _train_step(deepspeed, 1, rank)
     cfg = _debug_config("fsdp2")
-    fsdp = fsdp2.build_engine(cfg, fsdp2_plan.build(cfg, ws), torch.device("cpu"), ws, "cpu")
+    fsdp = fsdp2.build_engine(cfg, fsdp2_plan.build(cfg, ws), torch.device("cpu"), "cpu")
     ids = torch.randint(0, 512, (2, SEQ))
     fsdp.backward(fsdp.forward({"input_ids": ids, "labels": ids}), last=True, skip=False)
     fsdp.update(skip=False)

@@ -265,6 +265,10 @@ def test_config_command_under_fsdp2_prints_the_fsdp2_plan_not_a_deepspeed_config
     assert units["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     # The default global batch: one micro-batch of 8 per data-parallel rank.
     assert (plan["train_batch_size"], plan["gradient_accumulation_steps"]) == (16, 1)
-    assert plan["mesh"] == {"replicate": 1, "shard": 2}  # one node: sharded over all its ranks
+    assert plan["mesh"] == {"replicate": 1, "shard": 2, "tp": 1}  # one node: sharded over all its ranks
     two_nodes = _in_process(capsys, "config", "--preset", "debug", *fsdp2, "--nodes", "2")
-    assert json.loads(two_nodes.stdout)["mesh"] == {"replicate": 2, "shard": 2}  # HSDP: a node's ranks shard
+    assert json.loads(two_nodes.stdout)["mesh"] == {
+        "replicate": 2,
+        "shard": 2,
+        "tp": 1,
+    }  # HSDP: a node's ranks shard

@@ -99,7 +99,10 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
 
 def test_hsdp_is_the_default_on_two_nodes_and_shards_within_each(jobs: Jobs) -> None:
     meshes = {name: json.loads((d / "fsdp2_plan.json").read_text())["mesh"] for name, d in jobs.dirs.items()}
-    assert meshes == {"flat": {"replicate": 1, "shard": 4}, "hsdp": {"replicate": 2, "shard": 2}}
+    assert meshes == {
+        "flat": {"replicate": 1, "shard": 4, "tp": 1},
+        "hsdp": {"replicate": 2, "shard": 2, "tp": 1},
+    }
 
 
 def test_hsdp_killed_and_resumed_continues_bit_for_bit_and_follows_flat_fsdp2(jobs: Jobs) -> None:

@@ -76,13 +76,13 @@ def test_hsdp_shards_within_a_node_by_default_on_several_nodes() -> None:
     (HSDP), unless --dp-shard says otherwise; one node shards over all its ranks."""
     two_nodes = {"launch.nodes": 2}
     hsdp = memory.setup_from_config(_config(3, **two_nodes))
-    assert hsdp.fsdp_mesh == {"replicate": 2, "shard": 2}
+    assert hsdp.fsdp_mesh == {"replicate": 2, "shard": 2, "tp": 1}
     assert memory.model_states(hsdp).total == 16 * P // 2
     flat = memory.setup_from_config(_config(3, **two_nodes, **{"parallel.dp_shard": 4}))
-    assert flat.fsdp_mesh == {"replicate": 1, "shard": 4}
+    assert flat.fsdp_mesh == {"replicate": 1, "shard": 4, "tp": 1}
     assert memory.model_states(flat).total == 16 * P // 4
     one_node = memory.setup_from_config(_config(3, **{"launch.gpus": 4}))
-    assert one_node.fsdp_mesh == {"replicate": 1, "shard": 4}
+    assert one_node.fsdp_mesh == {"replicate": 1, "shard": 4, "tp": 1}
     replicated = memory.setup_from_config(_config(3, **{"launch.gpus": 4, "parallel.dp_shard": 1}))
     assert memory.model_states(replicated).total == 16 * P
     # The buffers are per unit, whatever the mesh.
@@ -143,12 +143,13 @@ def test_fit_search_proposes_only_what_fsdp2_runs() -> None:
         resolve(flags={"preset": "7b", "train.engine": "fsdp2", "zero.stage": 3, "launch.gpus": 8})
     )
     found = memory.fitting(setup, 80 * 10**9)
-    # ZeRO 2 or 3 x offload none or cpu, data parallelism alone: never a tp/sp/pp degree the node allows.
+    # ZeRO 2 or 3 x offload none or cpu, with data and tensor parallelism: never an sp or pp degree.
     assert {(c.stage, c.offload) for c in found} == {(2, "none"), (2, "cpu"), (3, "none"), (3, "cpu")}
+    assert {c.tp for c in found} > {1}
     for c in found:
-        assert (c.engine, c.tp, c.sp, c.pp) == ("fsdp2", 1, 1, 1)
-        rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", engine="fsdp2"))
-        est = memory.estimate(setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, 1, 1))
+        assert (c.engine, c.sp, c.pp) == ("fsdp2", 1, 1)
+        rules.check(rules.Choice(c.stage, c.offload, "bf16", "cuda", tp=c.tp, engine="fsdp2"))
+        est = memory.estimate(setup.with_choice(c.stage, c.offload, c.micro_batch, c.checkpointing, c.tp, 1))
         assert est.gpu_peak == c.gpu_bytes <= 80 * 10**9
 
 
@@ -189,7 +190,7 @@ def test_cli_json_has_fsdp2s_terms(capsys: pytest.CaptureFixture[str]) -> None:
         (["--zero", "0"], "--zero"),
         (["--zero", "3", "--offload", "nvme", "--nvme-path", "/tmp"], "--offload"),
         (["--zero", "3", "--precision", "fp16"], "--precision"),
-        (["--zero", "3", "--tp", "2"], "--engine"),
+        (["--zero", "3", "--sp", "2"], "--engine"),
     ],
 )
 def test_cli_refuses_what_fsdp2_does_not_run(
@@ -202,18 +203,24 @@ def test_cli_refuses_what_fsdp2_does_not_run(
 
 # ---------------------------------------------------------------- against the real engine
 
+# (stage, offload, precision, tp)
 CASES = [
-    (2, "none", "bf16"),
-    (3, "none", "bf16"),
-    (2, "none", "fp32"),
-    (3, "none", "fp32"),
-    (2, "cpu", "bf16"),
-    (3, "cpu", "bf16"),
+    (2, "none", "bf16", 1),
+    (3, "none", "bf16", 1),
+    (2, "none", "fp32", 1),
+    (3, "none", "fp32", 1),
+    (2, "cpu", "bf16", 1),
+    (3, "cpu", "bf16", 1),
 ]
 
 
+def _case_config(case: tuple[int, str, str, int], flags: dict[str, Any]) -> Any:
+    stage, offload, precision, tp = case
+    return _config(stage, offload, precision, **{"parallel.tp": tp}, **flags)
+
+
 def _measure_engines(
-    rank: int, world: int, cases: list[tuple[int, str, str]], flags: dict[str, Any]
+    rank: int, world: int, cases: list[tuple[int, str, str, int]], flags: dict[str, Any]
 ) -> dict[tuple, tuple[int, int]]:
     """Each case's (parameter, model-state) bytes on this rank after an update (AdamW's moments exist)
     and the next backward (gradients held), the config taking `flags`."""
@@ -224,8 +231,8 @@ def _measure_engines(
     batch = {"input_ids": ids, "labels": ids}
     measured = {}
     for case in cases:
-        cfg = _config(*case, **flags)
-        engine = build_engine(cfg, fsdp2_plan.build(cfg, world), torch.device("cpu"), world, "cpu")
+        cfg = _case_config(case, flags)
+        engine = build_engine(cfg, fsdp2_plan.build(cfg, world), torch.device("cpu"), "cpu")
         engine.backward(engine.forward(batch), last=True, skip=False)
         engine.update(skip=False)
         engine.backward(engine.forward(batch), last=True, skip=False)
@@ -235,12 +242,12 @@ def _measure_engines(
 
 
 def _calibration_errors(
-    cases: list[tuple[int, str, str]], flags: dict[str, Any], ranks: list[dict[tuple, tuple[int, int]]]
+    cases: list[tuple[int, str, str, int]], flags: dict[str, Any], ranks: list[dict[tuple, tuple[int, int]]]
 ) -> list[tuple[str, float]]:
     """(what, relative error) of the estimated parameters and model states against each rank's."""
     errors: list[tuple[str, float]] = []  # printed (pytest -s): the calibration's relative errors
     for case in cases:
-        states = memory.model_states(memory.setup_from_config(_config(*case, **flags)))
+        states = memory.model_states(memory.setup_from_config(_case_config(case, flags)))
         estimated = {"parameters": states.params_gpu + states.params_cpu, "model states": states.total}
         for rank, measured in enumerate(ranks):
             for (what, estimate), held in zip(estimated.items(), measured[case], strict=True):
@@ -258,15 +265,17 @@ def test_model_states_match_the_real_fsdp2_engine_within_5_percent() -> None:
     assert not failures, "\n".join(failures)
 
 
-HSDP_CASES = [(3, "none", "fp32"), (2, "none", "bf16"), (3, "cpu", "bf16")]
+# HSDP: 2 replicas x 2 shards; the last, dp 2 x tp 2 (DTensor tp, parallel.dtensor_tp: each rank holds
+# 1/dp of its tp slices).
+WORLD4_CASES = [(3, "none", "fp32", 1), (2, "none", "bf16", 1), (3, "cpu", "bf16", 1), (3, "none", "fp32", 2)]
 
 
 @pytest.mark.slow
-def test_hsdp_model_states_match_the_real_engine_at_world_size_4_within_2_percent() -> None:
-    """2 nodes x 2 ranks as the estimator sees them; the engine's mesh is 2 replicas x 2 shards (its
-    plan from the same config at world size 4). 4 processes on one machine, ~20 s."""
+def test_hsdp_and_tp_model_states_match_the_real_engine_at_world_size_4_within_2_percent() -> None:
+    """2 nodes x 2 ranks as the estimator sees them; the engine's mesh is its plan from the same config
+    at world size 4. 4 processes on one machine, ~20 s."""
     flags = {"launch.nodes": 2}
-    ranks = run_distributed(_measure_engines, 4, HSDP_CASES, flags)
-    errors = _calibration_errors(HSDP_CASES, flags, ranks)
+    ranks = run_distributed(_measure_engines, 4, WORLD4_CASES, flags)
+    errors = _calibration_errors(WORLD4_CASES, flags, ranks)
     failures = [line for line, error in errors if abs(error) > 0.02]
     assert not failures, "\n".join(failures)

@@ -89,31 +89,47 @@ def test_another_data_parallel_size_resumes_through_the_universal_format(
 ) -> None:
     """Another world size changes dp, which the universal conversion re-partitions (tested end to end
     for dp 2 x tp 2 x pp 2 -> tp 2 x pp 2 in test_pipeline)."""
-    check_resume(Layout(tp * sp * pp, tp, sp, pp), Layout(2 * tp * sp * pp, tp, sp, pp), stage, True, 4)
+    check_resume(
+        Layout(tp * sp * pp, tp, sp, pp),
+        Layout(2 * tp * sp * pp, tp, sp, pp),
+        stage,
+        True,
+        4,
+        engine="deepspeed",
+    )
 
 
 @pytest.mark.parametrize(("saved", "now"), [(Layout(8, 2, 1, 2), Layout(4)), (Layout(4), Layout(4, pp=2))])
 def test_other_tp_and_pp_degrees_resume_from_sharded_optimizer_state(saved: Layout, now: Layout) -> None:
     """(dp 2 x tp 2 x pp 2 -> dp 4 is run end to end in test_pipeline.)"""
-    check_resume(now, saved, 1, partitioned=True, kv_heads=4)
+    check_resume(now, saved, 1, partitioned=True, kv_heads=4, engine="deepspeed")
     with pytest.raises(ConfigError, match=r"^--tp/--pp: this run was saved on .* \(--tp \d --pp \d\)$"):
-        check_resume(now, saved, 0, partitioned=False, kv_heads=4)
+        check_resume(now, saved, 0, partitioned=False, kv_heads=4, engine="deepspeed")
 
 
 def test_a_tp_run_at_zero_3_resumes_on_its_own_layout_only() -> None:
     with pytest.raises(ConfigError, match=r"--gpus: this run was saved on 4 processes \(dp 2 x tp 2\); "):
-        check_resume(Layout(2, tp=2), Layout(4, tp=2), 3, True, 4)
+        check_resume(Layout(2, tp=2), Layout(4, tp=2), 3, True, 4, engine="deepspeed")
     with pytest.raises(ConfigError, match=r"with --tp 2 --pp 1$"):
-        check_resume(Layout(4), Layout(4, tp=2), 3, True, 4)
-    check_resume(Layout(4, tp=2), Layout(4, tp=2), 3, True, 4)
-    check_resume(Layout(2), Layout(4), 3, True, 4)  # without tp ZeRO 3 re-partitions like the others
+        check_resume(Layout(4), Layout(4, tp=2), 3, True, 4, engine="deepspeed")
+    check_resume(Layout(4, tp=2), Layout(4, tp=2), 3, True, 4, engine="deepspeed")
+    check_resume(
+        Layout(2), Layout(4), 3, True, 4, engine="deepspeed"
+    )  # without tp ZeRO 3 re-partitions like the others
+
+
+def test_an_fsdp2_run_resumes_on_any_world_size_and_tp() -> None:
+    """DCP holds every tensor whole: what DeepSpeed's checkpoints refuse, FSDP2's load (tp 2 -> 1 run
+    end to end in test_train_dist)."""
+    check_resume(Layout(2), Layout(4, tp=2), 3, False, 4, engine="fsdp2")
+    check_resume(Layout(4, tp=4), Layout(2, tp=2), 3, False, 4, engine="fsdp2")
 
 
 def test_key_value_head_copies_resume_on_their_own_tp_only() -> None:
     """At tp 4 with 2 key/value heads each head is held twice; another world size at the same tp
     re-partitions (the copies are merged and cut again alike), another tp does not."""
-    check_resume(Layout(4, tp=4), Layout(8, tp=4), 1, True, 2)
+    check_resume(Layout(4, tp=4), Layout(8, tp=4), 1, True, 2, engine="deepspeed")
     with pytest.raises(ConfigError, match=r"^--tp: .* resume with --tp 4$"):
-        check_resume(Layout(4, tp=2), Layout(4, tp=4), 1, True, 2)
+        check_resume(Layout(4, tp=2), Layout(4, tp=4), 1, True, 2, engine="deepspeed")
     with pytest.raises(ConfigError, match=r"^--tp: .* resume with --tp 2$"):
-        check_resume(Layout(4, tp=4), Layout(4, tp=2), 1, True, 2)
+        check_resume(Layout(4, tp=4), Layout(4, tp=2), 1, True, 2, engine="deepspeed")

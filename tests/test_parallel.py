@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "batch2_mha_bf16": {"model.num_key_value_heads": 4, "train.precision": "bf16"},
 }
 TP2_SP2 = {"parallel.tp": 2, "parallel.sp": 2, "model.num_key_value_heads": 4}
+FSDP2 = {"train.engine": "fsdp2"}
 TWO: dict[str, tuple[str, dict[str, Any]]] = {
     "sp2_zero1": ("batch2", {"parallel.sp": 2, "zero.stage": 1}),
     "sp2_zero3": ("batch2", {"parallel.sp": 2, "zero.stage": 3}),
@@ -99,6 +101,12 @@ TWO: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2_zero1_bf16": ("batch2_bf16", {"parallel.tp": 2, "zero.stage": 1, "train.precision": "bf16"}),
     "tp2_zero3_bf16": ("batch2_bf16", {"parallel.tp": 2, "zero.stage": 3, "train.precision": "bf16"}),
     "sp2_zero1_bf16": ("batch2_bf16", {"parallel.sp": 2, "zero.stage": 1, "train.precision": "bf16"}),
+    # FSDP2 with DTensor tp (parallel.dtensor_tp): torch's column/row-wise styles, llmtrain's vocab-parallel loss
+    "fsdp2_tp2_zero3": ("batch2", {**FSDP2, "parallel.tp": 2, "zero.stage": 3}),
+    "fsdp2_tp2_zero2_bf16": (
+        "batch2_bf16",
+        {**FSDP2, "parallel.tp": 2, "zero.stage": 2, "train.precision": "bf16"},
+    ),
 }
 FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2_sp2_zero1": ("batch4", {"parallel.sp": 2, "zero.stage": 1}),
@@ -112,6 +120,7 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     # tp 4 over 2 key/value heads: each held by two ranks (planning.partition's rule)
     "tp4_zero1": ("batch2", {"parallel.tp": 4, "zero.stage": 1}),
     "tp4_zero3": ("batch2", {"parallel.tp": 4, "zero.stage": 3}),
+    "fsdp2_dp2_tp2_zero3": ("batch4", {**FSDP2, "parallel.tp": 2, "zero.stage": 3}),
 }
 
 # DeepSpeed's activation checkpointing at tp 2 against the same run recomputed through torch's checkpoint:
@@ -312,3 +321,29 @@ def test_sigkill_then_resume_is_bitwise_exact(
 
     run_ok(resume_args(killed), tmp_path / "resume.log", TIMEOUT_S)
     assert_resumed_bitwise(reference, killed, KILL_STEPS)
+
+
+def test_fsdp2_tp2_follows_one_process_and_resumes_at_tp1(
+    tmp_path: Path, one_process: dict[int, float]
+) -> None:
+    """`train --gpus 2 --tp 2 --engine fsdp2` follows the one-process run; its checkpoint at step 4,
+    resumed on one process without tp, continues within 1e-5: DCP holds each tp-split weight as one
+    tensor and slices it for the new layout, no conversion. ~40 s."""
+    run_dir = tmp_path / "fsdp2_tp2"
+    fsdp2 = ["--engine", "fsdp2", "--zero", "3", "--tp", "2"]
+    run_ok(train_args(run_dir, KILL_STEPS, SAVE_EVERY, *fsdp2), tmp_path / "train.log", TIMEOUT_S)
+    steps = sorted(one_process)
+    assert _rel_diff([losses(run_dir)[s] for s in steps], [one_process[s] for s in steps]) < REL_TOL
+    root = run_dir / "checkpoints"
+    for later in [d for d in root.glob("step_*") if int(d.name.removeprefix("step_")) > SAVE_EVERY]:
+        shutil.rmtree(later)
+    (root / "latest").write_text(f"step_{SAVE_EVERY:08d}\n")
+    run_ok(resume_args(run_dir, "--gpus", "1", "--tp", "1"), tmp_path / "resume.log", TIMEOUT_S)
+    assert json.loads((run_dir / "fsdp2_plan.json").read_text())["mesh"] == {
+        "replicate": 1,
+        "shard": 1,
+        "tp": 1,
+    }
+    resumed = losses(run_dir)
+    assert sorted(resumed) == steps
+    assert _rel_diff([resumed[s] for s in steps], [one_process[s] for s in steps]) < REL_TOL

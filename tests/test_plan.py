@@ -102,7 +102,9 @@ def test_fsdp2_on_several_nodes_is_planned_as_hsdp_and_sharded_over_all_ranks(
 ) -> None:
     """Two 8-GPU nodes: HSDP (a node's 8 ranks shard, the default, no flag) and FSDP2 over all 16
     (--dp-shard 16), each as the command that runs it; the states of HSDP are twice the full shard's."""
-    doc = _plan(capsys, *REQUEST, "--engine", "fsdp2", "--zero", "3", "--offload", "none", "--top", "100")
+    doc = _plan(
+        capsys, *REQUEST, "--engine", "fsdp2", "--zero", "3", "--offload", "none", "--tp", "1", "--top", "100"
+    )
     meshes = {(r["fsdp_mesh"]["replicate"], r["fsdp_mesh"]["shard"]) for r in doc["rows"]}
     assert meshes == {(2, 8), (1, 16)}
     for row in doc["rows"]:
@@ -111,8 +113,10 @@ def test_fsdp2_on_several_nodes_is_planned_as_hsdp_and_sharded_over_all_ranks(
     hsdp = next(r for r in doc["rows"] if r["fsdp_mesh"]["replicate"] == 2)
     estimate = _estimate(capsys, hsdp["command"])
     assert estimate["per_gpu_peak_bytes"] == hsdp["gpu_peak_bytes"]
-    assert estimate["setup"]["fsdp_mesh"] == {"replicate": 2, "shard": 8}
-    pinned = _plan(capsys, *REQUEST, "--engine", "fsdp2", "--zero", "3", "--dp-shard", "4", "--top", "100")
+    assert estimate["setup"]["fsdp_mesh"] == {"replicate": 2, "shard": 8, "tp": 1}
+    pinned = _plan(
+        capsys, *REQUEST, "--engine", "fsdp2", "--zero", "3", "--tp", "1", "--dp-shard", "4", "--top", "100"
+    )
     assert pinned["rows"] and {r["fsdp_mesh"]["shard"] for r in pinned["rows"]} == {4}
     assert main(["plan", *REQUEST[:-2], "--nodes", "1", "--engine", "fsdp2", "--zero", "3", "--json"]) == 0
     one_node = json.loads(capsys.readouterr().out)
@@ -120,9 +124,9 @@ def test_fsdp2_on_several_nodes_is_planned_as_hsdp_and_sharded_over_all_ranks(
 
 
 def test_flags_pin_their_part_of_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    doc = _plan(capsys, *REQUEST, "--zero", "3", "--tp", "2", "--top", "20")
+    doc = _plan(capsys, *REQUEST, "--zero", "3", "--tp", "2", "--top", "100")
     assert doc["rows"] and all(row["zero_stage"] == 3 and row["tp"] == 2 for row in doc["rows"])
-    assert all(row["engine"] == "deepspeed" for row in doc["rows"])  # FSDP2 runs no tp
+    assert {row["engine"] for row in doc["rows"]} == {"deepspeed", "fsdp2"}  # FSDP2 with DTensor tp
 
 
 def test_a_cluster_file_plans_a_cpu_in_fp32(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

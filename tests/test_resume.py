@@ -692,7 +692,11 @@ def test_fsdp2_resumed_as_hsdp_continues(root: Path, references: References) -> 
     from_step = 8
     run_dir = copy_run(reference, root / "fsdp2_as_hsdp", keep_up_to=from_step)
     run_cli(["resume", run_dir, "--dp-shard", "1", "--master-port", free_port()], root / "fsdp2_as_hsdp.log")
-    assert json.loads((run_dir / "fsdp2_plan.json").read_text())["mesh"] == {"replicate": 2, "shard": 1}
+    assert json.loads((run_dir / "fsdp2_plan.json").read_text())["mesh"] == {
+        "replicate": 2,
+        "shard": 1,
+        "tp": 1,
+    }
     _assert_continued(reference, run_dir, FSDP2_2, from_step, 1e-6)
 
 

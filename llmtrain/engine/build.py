@@ -25,7 +25,7 @@ def engine_config(cfg: TrainConfig, world: World, load_universal: bool = False) 
 def build_engine(cfg: TrainConfig, world: World, engine_config: dict[str, Any]) -> Engine:
     """`engine_config`: dsconfig.build's dict for DeepSpeed, fsdp2_plan.build's for FSDP2."""
     if cfg.train.engine == "fsdp2":
-        return fsdp2.build_engine(cfg, engine_config, world.device, world.world_size, world.accelerator)
+        return fsdp2.build_engine(cfg, engine_config, world.device, world.accelerator)
     if cfg.parallel.pp > 1:
         return pipeline.build_engine(cfg, engine_config, world.device, world.world_size)
     return ds_engine.build_engine(cfg, engine_config, world.device, world.world_size)

@@ -2,20 +2,22 @@
 
 How the flags map:
 - `--dp-shard N` (by default a node's ranks when the run spans nodes): HSDP, a 2-D mesh of
-  replicate x shard; each parameter is sharded over N consecutive ranks, the gradient shards are
-  all-reduced across the replicas. Over all ranks (one node, or N = world) it is plain FSDP.
+  replicate x shard; each parameter is sharded over N data-parallel ranks, the gradient shards are
+  all-reduced across the replicas. Over all of them (one node, or N = dp) it is plain FSDP.
+- `--tp N`: a third, innermost mesh dimension; parallel.dtensor_tp splits the weights over it before
+  fully_shard shards them over the data-parallel dimensions.
 - `--zero 3`: parameters resharded after each block's forward (gathered again for backward);
   `--zero 2`: kept gathered from forward to backward (more memory, one all-gather fewer per block).
   FSDP2 always shards gradients and optimizer states with the parameters: ZeRO 0 and 1, and NVMe
-  offload, are refused (planning.rules), as are fp16 and tp/sp/pp.
+  offload, are refused (planning.rules), as are fp16, sp and pp.
 - `--precision bf16`: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): compute in bf16,
   gradients reduced and accumulated in fp32, the sharded fp32 parameters are the masters. fp32: none.
 - `--offload cpu`: CPUOffloadPolicy (sharded parameters, gradients and the optimizer step on the CPU).
 - Gradient accumulation: gradient sync off for all but the last micro-batch, so there is one
   reduce-scatter per step; the loss is divided by the micro-batches per step, as DeepSpeed does.
 - Activation checkpointing and `--compile` per block, as on DeepSpeed (model.py's own switches).
-Checkpoints are torch.distributed.checkpoint (checkpoint/dcp.py): a different process count on
-resume is resharded by DCP itself.
+Checkpoints are torch.distributed.checkpoint (checkpoint/dcp.py): a different process count, shard
+group or tp degree on resume is resharded by DCP itself.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from llmtrain.engine import pretrained
 from llmtrain.engine.base import Batch, Engine, JudgeNorm, never_skip
 from llmtrain.engine.ds_engine import HeldStates, param_groups
 from llmtrain.model import Llama
+from llmtrain.parallel import dtensor_tp
 
 
 def build_engine(
-    cfg: TrainConfig, plan: dict[str, Any], device: torch.device, world_size: int, accelerator: str
+    cfg: TrainConfig, plan: dict[str, Any], device: torch.device, accelerator: str
 ) -> FSDP2Engine:
     """Every rank builds the whole model from the same seed, then fully_shard keeps its shards (so a
     run starts from exactly the weights of a one-process run), and AdamW gets the same weight-decay
@@ -56,16 +59,14 @@ def build_engine(
         if units["offload_policy"] == "cpu"
         else OffloadPolicy()
     )
-    shape = plan["mesh"]
-    mesh = (
-        init_device_mesh(
-            accelerator, (shape["replicate"], shape["shard"]), mesh_dim_names=("replicate", "shard")
-        )
-        if shape["replicate"] > 1
-        else init_device_mesh(accelerator, (world_size,))
-    )
+    # The mesh's dimensions above 1 (the shard dimension always), outermost first as Layout orders
+    # ranks: replicate, shard, tp.
+    dims = {name: size for name, size in plan["mesh"].items() if size > 1 or name == "shard"}
+    mesh = init_device_mesh(accelerator, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    if "tp" in dims:
+        dtensor_tp.parallelize(model, mesh["tp"])
     shard: dict[str, Any] = {
-        "mesh": mesh,
+        "mesh": mesh[tuple(name for name in dims if name != "tp")],
         "reshard_after_forward": units["reshard_after_forward"],
         "mp_policy": MixedPrecisionPolicy(**dtypes),
         "offload_policy": offload,

@@ -58,6 +58,13 @@ class _Leave(torch.autograd.Function):
         return grad, None
 
 
+def local(weight: Tensor) -> Tensor:
+    """This rank's part of a DTensor parameter (FSDP2 + tp: parallel.dtensor_tp), differentiably (its
+    gradient flows back to the DTensor); any other tensor as it is."""
+    to_local = getattr(weight, "to_local", None)
+    return weight if to_local is None else to_local()
+
+
 def enter(x: Tensor, group: Any) -> Tensor:
     """`x` as the input of column-parallel projections (no-op without a tp group)."""
     return x if group is None else _Enter.apply(x, group)

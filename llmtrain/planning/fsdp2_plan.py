@@ -15,9 +15,11 @@ from llmtrain.planning.layout import fsdp_mesh
 def build(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> dict[str, Any]:
     """`ranks_per_node`: the processes of each node (default --gpus), as the running job finds them:
     on several nodes FSDP2 shards within them by default (HSDP)."""
-    dp = cfg.layout(world_size).dp
-    global_batch, micro, accumulation = rules.batch_triple(cfg.train.micro_batch, cfg.train.global_batch, dp)
-    mesh = fsdp_mesh(dp, cfg.parallel.dp_shard, ranks_per_node or cfg.launch.gpus)
+    layout = cfg.layout(world_size)
+    global_batch, micro, accumulation = rules.batch_triple(
+        cfg.train.micro_batch, cfg.train.global_batch, layout.dp
+    )
+    mesh = fsdp_mesh(layout, cfg.parallel.dp_shard, ranks_per_node or cfg.launch.gpus)
     # auto is decided by now in a run's config; elsewhere (`llmtrain config`) as a run here would decide it.
     bf16 = precision.concrete(cfg.train.precision) == "bf16"
     o = cfg.optim
@@ -26,8 +28,9 @@ def build(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) 
         "train_batch_size": global_batch,
         "micro_batch_per_rank": micro,
         "gradient_accumulation_steps": accumulation,
-        # HSDP when replicate > 1: each parameter sharded over `shard` ranks (consecutive ones, a node's),
-        # the shards' gradients all-reduced across the `replicate` groups.
+        # HSDP when replicate > 1: each parameter sharded over `shard` data-parallel ranks (a node's),
+        # the shards' gradients all-reduced across the `replicate` groups; tp: split by
+        # parallel.dtensor_tp within each data-parallel rank's tp group.
         "mesh": mesh,
         "fully_shard": {
             "units": [f"layers.{i}" for i in range(cfg.model.num_hidden_layers)] + ["root"],

@@ -101,11 +101,12 @@ def fsdp_shard_ranks(dp: int, dp_shard: int | None, ranks_per_node: int) -> int:
     return dp
 
 
-def fsdp_mesh(dp: int, dp_shard: int | None, ranks_per_node: int) -> dict[str, int]:
-    """FSDP2's 2-D device mesh over the data-parallel ranks: {"replicate": R, "shard": S}, R x S = dp;
-    HSDP when R > 1."""
-    shard = fsdp_shard_ranks(dp, dp_shard, ranks_per_node)
-    return {"replicate": dp // shard, "shard": shard}
+def fsdp_mesh(layout: Layout, dp_shard: int | None, ranks_per_node: int) -> dict[str, int]:
+    """FSDP2's device mesh, outermost dimension first: {"replicate": R, "shard": S, "tp": T}, R x S = dp
+    (HSDP when R > 1). tp is innermost (a node of N ranks holds N / tp data-parallel ones)."""
+    node_dp = ranks_per_node // layout.tp if ranks_per_node % layout.tp == 0 else 1
+    shard = fsdp_shard_ranks(layout.dp, dp_shard, node_dp)
+    return {"replicate": layout.dp // shard, "shard": shard, "tp": layout.tp}
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -173,8 +174,12 @@ def check_shape(
         )
 
 
-def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bool, kv_heads: int) -> None:
-    """A resume keeps the run's sp degree and may change its world size and its tp and pp degrees:
+def check_resume(
+    layout: Layout, saved: Layout, zero_stage: int, partitioned: bool, kv_heads: int, *, engine: str
+) -> None:
+    """A resume may change the world size and the tp degree of an FSDP2 run (`engine`): its distributed
+    checkpoint holds every tensor as one global tensor, which DCP slices for any layout on load.
+    On DeepSpeed it keeps the run's sp degree and may change its world size and its tp and pp degrees:
     DeepSpeed's universal conversion re-partitions the ZeRO shards over the new data-parallel ranks,
     merging each tensor's tp slices by the split the checkpoint records and slicing them again on load
     (checkpoint.universal). Three cases it cannot carry: a checkpoint without sharded optimizer state
@@ -182,7 +187,7 @@ def check_resume(layout: Layout, saved: Layout, zero_stage: int, partitioned: bo
     holds copies of key/value heads (tp > kv_heads: the conversion would concatenate the copies as if
     they were distinct heads); and tensor parallelism at ZeRO 3 on any other layout (DeepSpeed 0.19.8's
     ZeRO 3 conversion does not merge tp slices; measured: the load fails on a slice's bounds)."""
-    if saved == layout:
+    if saved == layout or engine == "fsdp2":
         return
     was = f"this run was saved on {saved.world_size} processes ({saved.describe()})"
     if not partitioned and (saved.tp, saved.pp) != (layout.tp, layout.pp):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from llmtrain.errors import ConfigError
 from llmtrain.planning import rules
 from llmtrain.planning.hardware import Cluster
+from llmtrain.planning.layout import Layout, fsdp_mesh
 from llmtrain.planning.memory.fit import degrees
 from llmtrain.planning.memory.formulas import Estimate, estimate
 from llmtrain.planning.memory.setup import Setup
@@ -133,18 +134,22 @@ def _choices(
         hpz_options = (False, True) if rules.composes_with_hpz(choice, setup.cfg.launch.nodes) else (False,)
         for hpz in hpz_options:
             if _allowed(pinned, {"zero.shard_within_node": hpz}):
-                for dp_shard in _shard_groups(setup, engine, pinned):
+                for dp_shard in _shard_groups(setup, Layout(setup.world_size, tp, sp, pp), engine, pinned):
                     yield replace(choice, zero_plus=rules.ZeroPlus(shard_within_node=hpz), dp_shard=dp_shard)
 
 
-def _shard_groups(setup: Setup, engine: str, pinned: dict[str, object]) -> tuple[int | None, ...]:
-    """FSDP2's shard groups to try: the pinned one; on several nodes its default (a node's ranks, HSDP)
-    and all ranks (its gathers then cross nodes, but each rank holds 1/world of the states)."""
+def _shard_groups(
+    setup: Setup, layout: Layout, engine: str, pinned: dict[str, object]
+) -> tuple[int | None, ...]:
+    """FSDP2's shard groups to try: the pinned one; its default (on several nodes a node's ranks: HSDP)
+    and, where that is not all of them, all data-parallel ranks (their gathers cross nodes, but each
+    rank holds 1/dp of the states)."""
     if engine != "fsdp2":
         return (None,)
     if "parallel.dp_shard" in pinned:
         return (int(str(pinned["parallel.dp_shard"])),)
-    return (None, setup.world_size) if setup.cfg.launch.nodes > 1 else (None,)
+    default = fsdp_mesh(layout, None, setup.cfg.launch.gpus)["shard"]
+    return (None,) if default == layout.dp else (None, layout.dp)
 
 
 def _pinned(pinned: dict[str, object], key: str, values: tuple[str, ...]) -> tuple[str, ...]:

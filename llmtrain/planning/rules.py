@@ -95,9 +95,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "train.engine",
-        lambda c: c.engine == "fsdp2" and (c.tp > 1 or c.sp > 1 or c.pp > 1),
-        "--engine fsdp2 with --tp/--sp/--pp: llmtrain's tensor, sequence and pipeline parallelism run on "
-        "DeepSpeed; use --engine deepspeed, or FSDP2 with data parallelism only",
+        lambda c: c.engine == "fsdp2" and (c.sp > 1 or c.pp > 1),
+        "--engine fsdp2 with --sp/--pp: llmtrain's sequence and pipeline parallelism run on DeepSpeed; "
+        "use --engine deepspeed, or FSDP2 with data and tensor parallelism (--tp)",
     ),
     Rule(
         "parallel.dp_shard",

@@ -49,8 +49,10 @@ def group_ranks(setup: Setup, group: str) -> list[int]:
         return setup.layout.groups_along(("dp", "sp"))[0]
     if group == NODE_GROUP:
         return list(range(setup.hpz_ranks))
-    shard = setup.fsdp_shard_ranks
-    return list(range(shard)) if group == SHARD_GROUP else list(range(0, setup.layout.dp, shard))
+    # FSDP2's data-parallel index d is rank d * tp (tp innermost; no sp or pp).
+    shard, tp = setup.fsdp_shard_ranks, setup.layout.tp
+    data_ranks = range(shard) if group == SHARD_GROUP else range(0, setup.layout.dp, shard)
+    return [d * tp for d in data_ranks]
 
 
 def backward_gathered_elements(setup: Setup) -> int:

@@ -64,6 +64,7 @@ def prepare_fork(parent: Path, step: str, new_dir: Path, changes: ConfigChanges)
         cfg.zero.stage,
         info.partitioned,
         cfg.model.num_key_value_heads,
+        engine=info.engine,
     )
     schedule.check_schedule(cfg)
     try:

@@ -108,7 +108,10 @@ def prepare_resume(run_dir: Path, changes: ConfigChanges | None) -> PreparedRun:
     if newest:
         layout = cfg.layout()
         was = checkpoint.saved_layout(newest[-1], layout)
-        check_resume(layout, was, cfg.zero.stage, newest[-1].partitioned, cfg.model.num_key_value_heads)
+        info = newest[-1]
+        check_resume(
+            layout, was, cfg.zero.stage, info.partitioned, cfg.model.num_key_value_heads, engine=info.engine
+        )
     schedule.check_schedule(cfg)  # a new --steps must still hold the (frozen) warmup and decay
     return PreparedRun(cfg, run_dir, resume=True, new_dir=False)
 
@@ -167,8 +170,17 @@ def refuse_breaking_changes(
         diff = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat[k]!r}" for k in breaking)
         raise ConfigError(
             f"{verb} {run_dir}: these changes would break an exact continuation: {diff}; "
-            f"start a new run instead (only {', '.join(k.rstrip('.') for k in may_change)} may change)"
+            f"start a new run instead (only {_grouped(may_change)} may change)"
         )
+
+
+def _grouped(keys: tuple[str, ...]) -> str:
+    """`parallel.tp/pp, train.steps, checkpoint`: keys of one section joined after its name once."""
+    sections: dict[str, list[str]] = {}
+    for key in keys:
+        section, _, name = key.rstrip(".").partition(".")
+        sections.setdefault(section, []).append(name)
+    return ", ".join(f"{s}.{'/'.join(names)}" if all(names) else s for s, names in sections.items())
 
 
 # ---------------------------------------------------------------- inputs checked before anything starts

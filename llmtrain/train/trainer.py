@@ -134,7 +134,10 @@ def build_trainer(cfg: TrainConfig, world: World, run_dir: Path, resume: bool) -
     layout = cfg.layout(world.world_size)
     if choice is not None:
         saved = checkpoint.saved_layout(choice.info, layout)
-        check_resume(layout, saved, cfg.zero.stage, choice.info.partitioned, cfg.model.num_key_value_heads)
+        info = choice.info
+        check_resume(
+            layout, saved, cfg.zero.stage, info.partitioned, cfg.model.num_key_value_heads, engine=info.engine
+        )
     universal = choice is not None and checkpoint.needs_universal(choice.info, layout)
     settings = engine_config(cfg, world, load_universal=universal)
     if world.is_main:

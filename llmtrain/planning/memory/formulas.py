@@ -98,7 +98,7 @@ def _reduce_scatter_term(setup: Setup) -> Term:
     time, after the activations of the blocks behind it are freed."""
     if not setup.shape_known:
         return Term("reduce-scatter buffers", 0, "transient", "unknown: give the model's shape")
-    largest = shard_units(setup.cfg.model).largest
+    largest = shard_units(setup.cfg.model, setup.layout.tp).largest
     note = "the largest unit's gradients, unsharded, and the fp32 reduce-scatter input they are copied into"
     return Term("reduce-scatter buffers", (setup.lp_bytes + FP32) * largest, "transient", note)
 

@@ -71,7 +71,7 @@ class Setup:
     def fsdp_mesh(self) -> dict[str, int]:
         """FSDP2's device mesh, as fsdp2_plan records it: {"replicate": R, "shard": S}; S is all
         data-parallel ranks, or under HSDP (by default one node's on several nodes) a group of them."""
-        return fsdp_mesh(self.layout.dp, self.cfg.parallel.dp_shard, self.cfg.launch.gpus)
+        return fsdp_mesh(self.layout, self.cfg.parallel.dp_shard, self.cfg.launch.gpus)
 
     @property
     def fsdp_shard_ranks(self) -> int:

@@ -213,10 +213,11 @@ class ShardUnits:
         return max(self.root, self.block)
 
 
-def shard_units(model: ModelConfig) -> ShardUnits:
-    root = sum(parameter_tensors(replace(model, num_hidden_layers=0)))
+def shard_units(model: ModelConfig, tp: int = 1) -> ShardUnits:
+    """The units one rank gathers: its tensor-parallel slices of them under tp."""
+    root = sum(parameter_tensors(replace(model, num_hidden_layers=0), tp))
     blocks = model.num_hidden_layers
-    return ShardUnits(root, (sum(parameter_tensors(model)) - root) // blocks, blocks)
+    return ShardUnits(root, (sum(parameter_tensors(model, tp)) - root) // blocks, blocks)
 
 
 def fsdp2_states(setup: Setup) -> ModelStates:
@@ -254,7 +255,7 @@ def gathered_elements(setup: Setup) -> int:
     forward and after its backward: the root, the running block and one all-gather output. --zero 2
     keeps every unit's from its forward to its backward, and the last block's all-gather output on top.
     """
-    units = shard_units(setup.cfg.model)
+    units = shard_units(setup.cfg.model, setup.layout.tp)
     if setup.stage == 3:
         return units.root + min(2, units.blocks) * units.block
     return units.root + (units.blocks + 1) * units.block
