@@ -11,8 +11,9 @@ whatever finished is kept:
    random tokens, MEASURE_STEPS steps after WARMUP_STEPS: median tokens/s, MFU (FLOPs per token
    6N + 12·L·h·s over the device's peak dense bf16 FLOP/s), torch.cuda.max_memory_allocated against
    estimate-memory's per-GPU peak;
-3. tiny_matrix: `llmtrain train` on the tiny preset under ZeRO 0-3 in bf16 and fp16, a few steps each
-   (four runs at a time on the one GPU): exit code, first and last loss, skipped steps;
+3. tiny_matrix: `llmtrain train` on the tiny preset under ZeRO 0-3 in bf16 and fp16, and ZeRO 3 with
+   --quantize-weights (ZeRO++ qwZ), a few steps each (four runs at a time on the one GPU): exit code,
+   first and last loss, skipped steps;
 4. gpu_tests: `pytest -m gpu tests`.
 Without a CUDA device it says so in one line and exits 2. `--time-limit` bounds the whole check (none by
 default: each section has its own limit). `--dry-run` (any machine) shows the plan instead of running it:
@@ -132,23 +133,33 @@ def gpu_tests() -> dict[str, Any]:
                 GPU_TESTS_TIMEOUT_S)  # fmt: skip
 
 
-def tiny_command(stage: int, precision: str, run_dir: Path) -> list[str]:
+# The tiny runs: every ZeRO stage in bf16 and fp16, and ZeRO 3 with ZeRO++'s int8 weight gathers (qwZ:
+# DeepSpeed's quantizer kernels are CUDA-only, so only a GPU runs it; qgZ and hpZ need two nodes).
+TINY_RUNS: list[tuple[int, str, tuple[str, ...]]] = [
+    *[(stage, precision, ()) for precision in ("bf16", "fp16") for stage in (0, 1, 2, 3)],
+    (3, "bf16", ("--quantize-weights",)),
+]
+
+
+def tiny_command(stage: int, precision: str, run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable, "-m", "llmtrain", "train", "--preset", "tiny", "--steps", str(TINY_STEPS),
         "--micro-batch", "8", "--seq-len", "256", "--zero", str(stage), "--precision", precision,
-        "--log-every", "2", "--warmup-steps", "2", "--run-dir", str(run_dir),
+        "--log-every", "2", "--warmup-steps", "2", "--run-dir", str(run_dir), *extra,
     ]  # fmt: skip
 
 
-def _tiny_run(stage: int, precision: str, root: Path) -> dict[str, Any]:
-    run_dir = root / f"tiny-z{stage}-{precision}"
-    result = _run(tiny_command(stage, precision, run_dir), TINY_TIMEOUT_S)
+def _tiny_run(stage: int, precision: str, extra: tuple[str, ...], root: Path) -> dict[str, Any]:
+    run_dir = root / "-".join(["tiny", f"z{stage}", precision, *(flag.lstrip("-") for flag in extra)])
+    result = _run(tiny_command(stage, precision, run_dir, extra), TINY_TIMEOUT_S)
     records = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in records if "loss" in r]
-    result.update(stage=stage, precision=precision, steps=train[-1]["step"] if train else 0)
+    result.update(
+        stage=stage, precision=precision, flags=list(extra), steps=train[-1]["step"] if train else 0
+    )
     if train:
         result.update(first_loss=train[0]["loss"], last_loss=train[-1]["loss"], skipped=train[-1]["skipped"])
         # The allocator peak a GPU run logs (plan --confirm sets it beside the estimate).
@@ -179,13 +190,12 @@ def prebuild_fused_adam() -> dict[str, Any]:
 
 
 def tiny_matrix() -> dict[str, Any]:
-    runs = [(stage, precision) for precision in ("bf16", "fp16") for stage in (0, 1, 2, 3)]
     build = prebuild_fused_adam()
     with (
         tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp,
         concurrent.futures.ThreadPoolExecutor(TINY_PARALLEL) as pool,
     ):
-        results = list(pool.map(lambda sp: _tiny_run(sp[0], sp[1], Path(tmp)), runs))
+        results = list(pool.map(lambda run: _tiny_run(run[0], run[1], run[2], Path(tmp)), TINY_RUNS))
     return {"ok": all(r["ok"] for r in results), "fused_adam_build": build, "runs": results}
 
 
@@ -278,9 +288,7 @@ def plan() -> dict[str, Any]:
     return {
         "environment": "GPU, CPU, memory, versions, commit, peak bf16 FLOP/s",
         "gpu_tests": "pytest -q -m gpu tests",
-        "tiny_matrix": [
-            " ".join(tiny_command(s, p, Path("RUN_DIR"))) for p in ("bf16", "fp16") for s in (0, 1, 2, 3)
-        ],
+        "tiny_matrix": [" ".join(tiny_command(s, p, Path("RUN_DIR"), extra)) for s, p, extra in TINY_RUNS],
         "throughput_1b": {
             "preset": PRESET_1B,
             "micro_batch": MICRO_BATCH_1B,

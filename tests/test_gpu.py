@@ -47,7 +47,10 @@ def test_gpu_check_dry_run_writes_the_plan(tmp_path: Path) -> None:
     plan = json.loads((tmp_path / "gpu.json").read_text())["plan"]
     assert list(plan) == ["environment", "throughput_1b", "tiny_matrix", "gpu_tests"]
     runs = plan["tiny_matrix"]
-    assert len(runs) == 8 and all("--preset tiny" in r for r in runs)
+    assert len(runs) == 9 and all("--preset tiny" in r for r in runs)
+    assert runs[-1].endswith(
+        "--zero 3 --precision bf16 --log-every 2 --warmup-steps 2 --run-dir RUN_DIR --quantize-weights"
+    )
     assert {(r.split("--zero ")[1][0], r.split("--precision ")[1][:4]) for r in runs} == {
         (str(s), p) for s in range(4) for p in ("bf16", "fp16")
     }

@@ -121,6 +121,8 @@ FOUR: dict[str, tuple[str, dict[str, Any]]] = {
     "tp4_zero1": ("batch2", {"parallel.tp": 4, "zero.stage": 1}),
     "tp4_zero3": ("batch2", {"parallel.tp": 4, "zero.stage": 3}),
     "fsdp2_dp2_tp2_zero3": ("batch4", {**FSDP2, "parallel.tp": 2, "zero.stage": 3}),
+    # HSDP x tp: a replicate x shard x tp mesh of 2 x 1 x 2
+    "fsdp2_hsdp2_tp2_zero3": ("batch4", {**FSDP2, "parallel.tp": 2, "parallel.dp_shard": 1, "zero.stage": 3}),
 }
 
 # DeepSpeed's activation checkpointing at tp 2 against the same run recomputed through torch's checkpoint:
