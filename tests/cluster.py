@@ -223,6 +223,15 @@ def remote_worker(run_dir: Path, rank: int) -> psutil.Process | None:
     return None
 
 
+def predicted_traffic(run_dir: Path, ranks_per_node: int) -> dict[str, int]:
+    """planning.traffic's bytes per step inside and across nodes for the run's saved config."""
+    from llmtrain import rundir
+    from llmtrain.planning import memory, traffic
+
+    setup = memory.setup_from_config(rundir.load_saved_config(run_dir))
+    return traffic.bytes_by_span(setup, ranks_per_node)
+
+
 if __name__ == "__main__":
     import sys
     import tempfile

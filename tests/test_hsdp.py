@@ -1,7 +1,7 @@
 """HSDP on FSDP2 on the loopback two-node cluster (tests/cluster.py): 2 nodes x 2 processes through pdsh,
 against FSDP2 sharded over all four ranks.
 
-Two jobs at once, fp32, `--engine fsdp2 --zero 3`, STEPS steps, a checkpoint every SAVE_EVERY:
+Jobs at once, fp32, `--engine fsdp2 --zero 3`, STEPS steps, a checkpoint every SAVE_EVERY:
 - `flat`: `--dp-shard 4`, every parameter sharded over the four ranks, its gathers across nodes;
 - `hsdp`: the default on two nodes (each node's two ranks shard, the nodes replicate), with rank 3
   (node-b's second process) hanging in step KILLED_AT after the checkpoint at SAVE_EVERY: the steps in
@@ -10,20 +10,20 @@ The resumed steps that were logged before the kill come out bit for bit as they 
 through DCP's replicated, sharded tensors); every loss follows flat FSDP2's within 1e-6 (the gradient
 sums are grouped differently: within a node, then across). Each step's `comm_bytes` matches
 planning.traffic within 10%: HSDP's only cross-node traffic is the all-reduce of each rank's gradient
-shard. Cost: ~100 s (8 processes on 2 cores, then 4 for the resume).
+shard. A third job, `tp`: `--tp 2` on the same nodes (dp 2 x tp 2, tp inside each node) follows `flat`
+within 1e-5. Cost: ~120 s (12 processes on 2 cores, then 4 for the resume).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, cluster, remote_worker, running_or_skip
+from cluster import Cluster, cluster, predicted_traffic, remote_worker, running_or_skip
 from dist import free_port
 from runkit import BASE_FLAGS, kill_tree, last_logged_step, latest, losses, metrics, run_env, start, wait_for
 
@@ -61,7 +61,7 @@ class Jobs:
 def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     tmp = tmp_path_factory.mktemp("hsdp")
     hostfile = nodes.hostfile(tmp / "hostfile", {"node-a": 2, "node-b": 2})
-    dirs = {name: tmp / name for name in ("flat", "hsdp")}
+    dirs = {name: tmp / name for name in ("flat", "hsdp", "tp")}
     two_nodes = ["--hostfile", str(hostfile), "--nodes", "2", "--gpus", "2"]
     runs = {
         "flat": start(
@@ -72,6 +72,7 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
             tmp / "hsdp.log",
             nodes.env(run_env(faults=f"hang@{VICTIM}:{KILLED_AT - 1}")),  # 0-based step
         ),
+        "tp": start(_train(dirs["tp"], *two_nodes, "--tp", "2"), tmp / "tp.log", nodes.env(run_env())),
     }
     codes, outputs = {}, {}
     try:
@@ -84,7 +85,6 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         for name, run in runs.items():
             codes[name], outputs[name] = run.wait(JOB_TIMEOUT)
         before_kill = losses(dirs["hsdp"])
-        shutil.copy(dirs["hsdp"] / "metrics.jsonl", tmp / "metrics_before_kill.jsonl")
         resumed = start(
             ["resume", str(dirs["hsdp"]), "--master-port", str(free_port())],
             tmp / "resume.log",
@@ -102,7 +102,19 @@ def test_hsdp_is_the_default_on_two_nodes_and_shards_within_each(jobs: Jobs) -> 
     assert meshes == {
         "flat": {"replicate": 1, "shard": 4, "tp": 1},
         "hsdp": {"replicate": 2, "shard": 2, "tp": 1},
+        "tp": {"replicate": 1, "shard": 2, "tp": 2},  # a node's two ranks are one tp group
     }
+
+
+def test_dp2_x_tp2_over_two_nodes_follows_fsdp2_over_four_ranks(jobs: Jobs) -> None:
+    """tp inside each node (DTensor styles, vocab-parallel loss), the data-parallel shards across: the
+    same global batch, the losses of FSDP2 over four ranks (itself one process's within 1e-6:
+    test_train_dist, test_parallel) within 1e-5."""
+    assert jobs.codes["tp"] == 0, jobs.outputs["tp"][-3000:]
+    tp, flat = losses(jobs.dirs["tp"]), losses(jobs.dirs["flat"])
+    assert sorted(tp) == list(range(1, STEPS + 1))
+    for step in flat:
+        assert tp[step] == pytest.approx(flat[step], rel=1e-5, abs=0), step
 
 
 def test_hsdp_killed_and_resumed_continues_bit_for_bit_and_follows_flat_fsdp2(jobs: Jobs) -> None:
@@ -121,14 +133,6 @@ def test_hsdp_killed_and_resumed_continues_bit_for_bit_and_follows_flat_fsdp2(jo
         assert hsdp[step] == pytest.approx(flat[step], rel=1e-6, abs=0), step
 
 
-def _predicted_bytes(run_dir: Path) -> dict[str, int]:
-    from llmtrain import rundir
-    from llmtrain.planning import memory, traffic
-
-    setup = memory.setup_from_config(rundir.load_saved_config(run_dir))
-    return traffic.bytes_by_span(setup, ranks_per_node=2)
-
-
 def test_each_steps_bytes_match_the_formula_and_hsdp_crosses_nodes_with_one_shard_all_reduce(
     jobs: Jobs,
 ) -> None:
@@ -136,7 +140,7 @@ def test_each_steps_bytes_match_the_formula_and_hsdp_crosses_nodes_with_one_shar
     for name in ("flat", "hsdp"):
         records = [r for r in metrics(jobs.dirs[name]) if "loss" in r]
         assert len(records) >= STEPS
-        predicted = _predicted_bytes(jobs.dirs[name])
+        predicted = predicted_traffic(jobs.dirs[name], ranks_per_node=2)
         for record in records:
             got = record["comm_bytes"]
             for span in ("inside_node", "across_nodes"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cluster import Cluster, cluster, remote_worker, running_or_skip
+from cluster import Cluster, cluster, predicted_traffic, remote_worker, running_or_skip
 from dist import free_port
 from runkit import BASE_FLAGS, kill_tree, last_logged_step, latest, losses, metrics, run_env, start, wait_for
 
@@ -108,20 +108,12 @@ def test_hpz_killed_and_resumed_follows_flat_zero3_bit_for_bit(jobs: Jobs) -> No
     assert hpz == flat
 
 
-def _predicted_bytes(run_dir: Path) -> dict[str, int]:
-    from llmtrain import rundir
-    from llmtrain.planning import memory, traffic
-
-    setup = memory.setup_from_config(rundir.load_saved_config(run_dir))
-    return traffic.bytes_by_span(setup, ranks_per_node=2)
-
-
 def test_each_steps_bytes_across_nodes_match_the_formula_and_hpz_keeps_most_inside(jobs: Jobs) -> None:
     measured = {}
     for name in ("flat", "hpz"):
         records = [r for r in metrics(jobs.dirs[name]) if "loss" in r]
         assert len(records) >= STEPS
-        predicted = _predicted_bytes(jobs.dirs[name])
+        predicted = predicted_traffic(jobs.dirs[name], ranks_per_node=2)
         # A process's first step records the order the modules run in (DeepSpeed frees every weight
         # after its forward then): the formula is the steps after it, in each launch.
         for record in records:

@@ -82,7 +82,7 @@ class Layout:
         )
 
 
-def fsdp_shard_ranks(dp: int, dp_shard: int | None, ranks_per_node: int) -> int:
+def _fsdp_shard_ranks(dp: int, dp_shard: int | None, ranks_per_node: int) -> int:
     """The data-parallel ranks FSDP2 shards each parameter over (HSDP replicates across dp / that many
     groups): `--dp-shard` when given, else one node's ranks when the ranks span several nodes of equal
     size (the gathers and reduce-scatters stay inside the node; only an all-reduce of the gradient shard
@@ -92,7 +92,7 @@ def fsdp_shard_ranks(dp: int, dp_shard: int | None, ranks_per_node: int) -> int:
         _require(
             dp % dp_shard == 0,
             "parallel.dp_shard",
-            f"{dp_shard} does not divide the {dp} data-parallel ranks (--gpus x --nodes); use a divisor "
+            f"{dp_shard} does not divide the {dp} data-parallel ranks (--gpus x --nodes / --tp); use a divisor "
             "of it (--dp-shard with the ranks of one node shards inside each node)",
         )
         return dp_shard
@@ -105,7 +105,7 @@ def fsdp_mesh(layout: Layout, dp_shard: int | None, ranks_per_node: int) -> dict
     """FSDP2's device mesh, outermost dimension first: {"replicate": R, "shard": S, "tp": T}, R x S = dp
     (HSDP when R > 1). tp is innermost (a node of N ranks holds N / tp data-parallel ones)."""
     node_dp = ranks_per_node // layout.tp if ranks_per_node % layout.tp == 0 else 1
-    shard = fsdp_shard_ranks(layout.dp, dp_shard, node_dp)
+    shard = _fsdp_shard_ranks(layout.dp, dp_shard, node_dp)
     return {"replicate": layout.dp // shard, "shard": shard, "tp": layout.tp}
 
 

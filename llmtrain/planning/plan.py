@@ -7,7 +7,7 @@ cluster's devices and the time model ranks them. The global batch and sequence l
 request's, so every row trains the same tokens per step. Flags the user gave pin their part of the
 layout (`--zero 3` searches ZeRO 3 only). On several nodes ZeRO 3 is also tried with hpZ
 (--shard-within-node), whose gathers after the first of a step stay inside each node, and FSDP2 both as
-HSDP (sharded within each node, its default there) and sharded over all ranks (--dp-shard WORLD).
+HSDP (sharded within each node, its default there) and sharded over all data-parallel ranks.
 """
 
 from __future__ import annotations

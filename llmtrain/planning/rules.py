@@ -56,7 +56,7 @@ class Choice:
     engine: str = "deepspeed"
     zero_plus: ZeroPlus = ZeroPlus()
     nodes: int | None = None
-    dp_shard: int | None = None  # FSDP2's shard group (HSDP); None: as layout.fsdp_shard_ranks decides
+    dp_shard: int | None = None  # FSDP2's shard group (HSDP); None: as layout.fsdp_mesh decides
 
 
 @dataclass(frozen=True)

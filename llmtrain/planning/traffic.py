@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from llmtrain.planning.memory.setup import Setup, parameter_tensors
 
 # The groups a collective runs over: ZeRO's (the dp x sp ranks), hpZ's partition group (a node's ranks),
-# FSDP2's shard group (consecutive ranks) and its replica group (one rank of each shard group).
+# FSDP2's shard group (consecutive data-parallel ranks) and its replica group (one of each shard group).
 ZERO_GROUP, NODE_GROUP, SHARD_GROUP, REPLICA_GROUP = "zero", "node", "shard", "replica"
 FP32 = 4
 

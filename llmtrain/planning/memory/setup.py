@@ -69,7 +69,7 @@ class Setup:
 
     @property
     def fsdp_mesh(self) -> dict[str, int]:
-        """FSDP2's device mesh, as fsdp2_plan records it: {"replicate": R, "shard": S}; S is all
+        """FSDP2's device mesh, as fsdp2_plan records it: {"replicate": R, "shard": S, "tp": T}; S is all
         data-parallel ranks, or under HSDP (by default one node's on several nodes) a group of them."""
         return fsdp_mesh(self.layout, self.cfg.parallel.dp_shard, self.cfg.launch.gpus)
 
@@ -194,7 +194,7 @@ class Setup:
         accumulation costs no memory, so the global batch is left to its default, unless `keep_batch`
         (comparing step times, which accumulation sets). ZeRO++ hpZ is on only when `shard_within_node`
         says so (it composes with ZeRO 3 alone); FSDP2 shards over `dp_shard` ranks (None: its default,
-        layout.fsdp_shard_ranks)."""
+        layout.fsdp_mesh)."""
         cfg = copy.deepcopy(self.cfg)
         cfg.train.engine = engine or cfg.train.engine  # type: ignore[assignment]
         cfg.zero.stage, cfg.zero.offload = stage, offload  # type: ignore[assignment]

@@ -221,10 +221,11 @@ def shard_units(model: ModelConfig, tp: int = 1) -> ShardUnits:
 
 
 def fsdp2_states(setup: Setup) -> ModelStates:
-    """FSDP2's model states: every rank keeps a 1/N shard (N: its shard group) of each parameter in fp32, which are the
-    masters (MixedPrecisionPolicy only casts the all-gather input to bf16: FSDPParam.all_gather_inputs),
-    its gradient in fp32 (foreach_reduce leaves each shard's .grad a view of its unit's reduce-scatter
-    output, reduced in the fp32 reduce dtype), and AdamW's exp_avg and exp_avg_sq shaped like the shard.
+    """FSDP2's model states: every rank keeps a 1/N shard (N: its shard group) of each parameter in
+    fp32, which are the masters (MixedPrecisionPolicy only casts the all-gather input to bf16:
+    FSDPParam.all_gather_inputs), its gradient in fp32 (foreach_reduce leaves each shard's .grad a view
+    of its unit's reduce-scatter output, reduced in the fp32 reduce dtype), and AdamW's exp_avg and
+    exp_avg_sq shaped like the shard.
     CPUOffloadPolicy keeps all three in host memory: the shards are created there, each gradient shard is
     copied out of the reduce-scatter output to the CPU, and AdamW steps there."""
     ranks = setup.fsdp_shard_ranks
