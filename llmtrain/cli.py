@@ -409,6 +409,8 @@ def _plan_request(cfg_args: dict[str, Any], cluster: Any) -> tuple[Any, Any, dic
         "launch.gpus": cluster.devices_per_node,
         "launch.nodes": cluster.nodes,
         "train.micro_batch": 1,
+        # Searched unless pinned; a stage every engine runs, so `--engine fsdp2` alone plans.
+        "zero.stage": 3,
     }
     flags = {key: value for key, value in cfg_args["flags"].items() if value is not None}
     request = {**cfg_args, "flags": {**{k: str(v) for k, v in defaults.items() if k not in given}, **flags}}

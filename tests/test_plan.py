@@ -123,6 +123,15 @@ def test_fsdp2_on_several_nodes_is_planned_as_hsdp_and_sharded_over_all_ranks(
     assert {r["fsdp_mesh"]["replicate"] for r in one_node["rows"]} == {1}
 
 
+def test_the_engine_alone_pins_the_engine_and_the_stages_are_searched(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--engine fsdp2` without --zero plans (train's default stage, ZeRO 1, is DeepSpeed's alone)."""
+    doc = _plan(capsys, *REQUEST, "--engine", "fsdp2", "--top", "100")
+    assert doc["rows"] and {row["engine"] for row in doc["rows"]} == {"fsdp2"}
+    assert {row["zero_stage"] for row in doc["rows"]} == {2, 3}
+
+
 def test_flags_pin_their_part_of_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
     doc = _plan(capsys, *REQUEST, "--zero", "3", "--tp", "2", "--top", "100")
     assert doc["rows"] and all(row["zero_stage"] == 3 and row["tp"] == 2 for row in doc["rows"])
