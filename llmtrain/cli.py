@@ -487,7 +487,7 @@ def train_cmd(
 ) -> None:
     """Train a model: DeepSpeed config from the flags, Llama model, checkpoints, LR schedule."""
     from llmtrain import rundir
-    from llmtrain.run import lock, slurm
+    from llmtrain.run import lock
 
     if resume not in (None, "auto"):
         raise ConfigError(
@@ -496,7 +496,7 @@ def train_cmd(
     if sbatch is not None:
         _write_sbatch(cfg_args, sbatch)
         return
-    slurm.adopt_step(cfg_args["flags"])  # under srun: this task's rank, before the lock
+    _join_job(cfg_args["flags"])
     resume_auto = resume == "auto"
     wait_s = lock.wait_seconds(lock_wait, resume_auto)
     cfg = resolve_config(cfg_args)
@@ -507,6 +507,18 @@ def train_cmd(
 
         code = held.note(launch.start(prepare.prepare_train(cfg, resume_auto, made_dir=held.made_dir)))
     _exit_with(code)
+
+
+def _join_job(flags: dict[str, Any]) -> None:
+    """Under srun, this task's rank variables (run.slurm), before the lock. A rank of a job trains: its
+    stop requests are kept from now on (train.stopping), through the lock, the imports and the start."""
+    from llmtrain.parallel import node
+    from llmtrain.run import slurm
+    from llmtrain.train import stopping
+
+    slurm.adopt_step(flags)
+    if node.inside_launcher():
+        stopping.listen()
 
 
 def _write_sbatch(cfg_args: dict[str, Any], path: Path) -> None:
@@ -555,9 +567,9 @@ def resume_cmd(
     --config, --set and flags change the saved config where that keeps the continuation exact (run
     length, cadences, logging, launch) or re-partitions the checkpoint (--gpus, --nodes, --tp, --pp); any
     other change is refused."""
-    from llmtrain.run import lock, slurm
+    from llmtrain.run import lock
 
-    slurm.adopt_step(cfg_args["flags"])
+    _join_job(cfg_args["flags"])
     if strict:
         cfg_args["sets"] = [*cfg_args["sets"], "checkpoint.strict=true"]
     wait_s = lock.wait_seconds(lock_wait, resume_auto=False)
@@ -588,9 +600,9 @@ def fork_cmd(
     weights, optimizer, data position, counters. The config may change what a fork is for (the
     schedule, e.g. a WSD cooldown from here: --steps N+K --set schedule.decay_steps=K, and the run's
     length) and what a resume may change; RUN_DIR is left as it is."""
-    from llmtrain.run import lock, slurm
+    from llmtrain.run import lock
 
-    slurm.adopt_step(cfg_args["flags"])
+    _join_job(cfg_args["flags"])
     new_dir = cfg_args["flags"].pop("run_dir", None)
     if new_dir is None:
         raise ConfigError(f"fork {parent}: give the new run's directory with --run-dir NEW")
@@ -620,6 +632,9 @@ def worker_cmd(
     ] = None,
 ) -> None:
     """One worker of a run prepared by `train` or `resume` (started by DeepSpeed's launcher)."""
+    from llmtrain.train import stopping
+
+    stopping.listen()  # a stop request while the worker starts is kept (train.stopping)
     if launch_env is not None:
         from llmtrain.run import nodes
 

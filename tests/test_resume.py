@@ -468,6 +468,22 @@ def test_sigterm_resume_is_bitwise_exact(
     assert_same_final_state(reference, run.run_dir, setup.steps)
 
 
+def test_sigterm_while_the_run_starts_stops_after_its_first_step_with_a_checkpoint(root: Path) -> None:
+    """A preemption or a job's time limit may come while a run starts (torch's import, the process
+    group, the engine: minutes for a large model). The process keeps the request from the moment it
+    knows it trains (train.stopping), trains its first step, saves and exits 0, which a Slurm job
+    script takes as saved and requeues; killed by the signal instead, the job would end as failed.
+    One process, ~10 s; the signal lands half a second after config.yaml, long before the first step."""
+    run_dir = root / "sigterm_at_start"
+    cli = Cli(["train", *FP32_1.flags(run_dir)], root / "sigterm_at_start.log")
+    wait_until("config.yaml was written", cli, lambda: (run_dir / "config.yaml").exists())
+    time.sleep(0.5)
+    assert last_step(run_dir) == 0, "the signal came after the first step"
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.wait() == 0, cli.tail()
+    assert last_step(run_dir) == 1 and latest(run_dir) == "step_00000001", cli.tail()
+
+
 def test_resume_auto_starts_without_checkpoint_and_resumes_with_one(preempted_bf16_1: Preempted) -> None:
     run = preempted_bf16_1
     assert not run.had_checkpoint_before

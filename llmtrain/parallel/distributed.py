@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import shm, traffic
-from llmtrain.parallel.node import node_name
+from llmtrain.parallel.node import inside_launcher, node_name
 from llmtrain.quiet import held_stdout
 
 
@@ -71,11 +71,6 @@ class World:
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if self.accelerator == "cuda" else torch.device("cpu")
-
-
-def inside_launcher() -> bool:
-    """True when a launcher (deepspeed, torchrun, Slurm via DeepSpeed) started this process."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init(timeout_s: float = 600.0) -> World:

@@ -1,5 +1,5 @@
-"""The node a worker runs on, as the user's hostfile names it. Free of torch: a worker of a hostfile
-launch learns it (run.nodes) before torch is imported."""
+"""The node a worker runs on, as the user's hostfile names it, and whether a launcher started this
+process. Free of torch: a worker learns both before torch is imported."""
 
 from __future__ import annotations
 
@@ -19,3 +19,9 @@ def output_relayed() -> bool:
     line with its node; mpirun hands the workers a pseudo-terminal of its own), never directly: it
     prints plain lines, as into a file, whatever the user's terminal."""
     return NODE_ENV in os.environ
+
+
+def inside_launcher() -> bool:
+    """True when a launcher (deepspeed, torchrun, Slurm via DeepSpeed, srun once run.slurm adopted the
+    step) started this process: it is one rank of a job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -32,11 +32,13 @@ from types import FrameType
 from llmtrain import rundir
 from llmtrain.config import LaunchConfig, TrainConfig, flag_for
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
-from llmtrain.parallel.distributed import free_port, inside_launcher, select_accelerator
+from llmtrain.parallel.distributed import free_port, select_accelerator
+from llmtrain.parallel.node import inside_launcher
 from llmtrain.quiet import debug_requested
 from llmtrain.run import nodes, orphans
 from llmtrain.run.nodes import DEFAULT_MASTER_PORT
 from llmtrain.run.prepare import PreparedRun, freeze, read_hostfile
+from llmtrain.train import stopping
 
 
 def needs_relaunch(cfg: TrainConfig) -> bool:
@@ -227,6 +229,7 @@ def worker_args(run_dir: Path, resume: bool) -> list[str]:
 
 
 def train_here(cfg: TrainConfig, run_dir: Path, resume: bool) -> int:
+    stopping.listen()  # before the imports: a stop request while the run starts is kept
     orphans.watch_launcher()  # a worker of `llmtrain train --gpus N`: ends if that command dies
     quiet_worker_output()  # before the trainer's imports bring in DeepSpeed
     from llmtrain.train import trainer

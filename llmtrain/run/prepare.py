@@ -22,7 +22,7 @@ from llmtrain import config as config_mod
 from llmtrain import precision, rundir
 from llmtrain.config import ConfigError, TrainConfig, flag_for
 from llmtrain.fsutil import write_atomic
-from llmtrain.parallel.distributed import inside_launcher
+from llmtrain.parallel.node import inside_launcher
 from llmtrain.planning import rules
 from llmtrain.planning.layout import check_resume
 from llmtrain.run import nodes

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import math
 import random
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -35,7 +33,7 @@ from llmtrain.parallel.distributed import World
 from llmtrain.planning.layout import check_resume
 from llmtrain.planning.memory.setup import setup_from_config
 from llmtrain.planning.memory.states import checkpoint_bytes
-from llmtrain.train import faults, plot, profile, schedule
+from llmtrain.train import faults, plot, profile, schedule, stopping
 from llmtrain.train.hooks import Hooks
 from llmtrain.train.metrics import MetricsLogger
 from llmtrain.train.stability import StabilityGuard, Verdict
@@ -67,20 +65,6 @@ class SaveFailed(RunFailure):
     """A checkpoint could not be written and checkpoint.on_save_failure is `stop` (exit code 1)."""
 
     on_every_rank = True  # the save's outcome is all-gathered: every rank stops together
-
-
-class StopSignal:
-    """SIGTERM / SIGINT set a flag; the loop finishes the step, all ranks agree, save, exit 0."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.name = ""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-        self.name = signal.Signals(signum).name
 
 
 def run(cfg: TrainConfig, run_dir: Path, resume: bool) -> dict[str, Any]:
@@ -216,7 +200,7 @@ class Trainer:
         self.counters = Counters()
         self.total_steps = cfg.total_steps
         self.tokens_per_step = cfg.tokens_per_step
-        self.signal = StopSignal()
+        self.signal = stopping.listen()  # a request made while the run was starting is kept
         self.last_save_time = time.monotonic()
         self.last_saved_step = -1
         self.curves_step = -1  # the step RUN_DIR/curves.png was last drawn at
