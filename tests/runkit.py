@@ -264,6 +264,21 @@ def assert_resumed_bitwise(reference: Path, resumed: Path, steps: int) -> None:
     assert losses(resumed) == losses(reference)
 
 
+def assert_recomputed_bitwise(
+    before_kill: list[dict[str, object]], checkpoint: str, resumed: Path, steps: int
+) -> None:
+    """`resumed`, killed after `checkpoint` and resumed from it, logged every step to `steps`; the steps
+    past the checkpoint that it logged before the kill came out the same when recomputed (loss, lr, grad
+    norm, tokens). An uninterrupted run to compare with is not needed: those steps were one."""
+    saved = int(re.findall(r"\d+", checkpoint)[-1])
+    redone = [r for r in before_kill if "loss" in r and int(r["step"]) > saved]
+    assert redone, f"no step past {checkpoint} was logged before the kill"
+    got = {r["step"]: r for r in metrics(resumed) if "loss" in r}
+    assert sorted(got) == list(range(1, steps + 1))
+    for record in redone:
+        assert {k: got[record["step"]][k] for k in EXACT_KEYS} == {k: record[k] for k in EXACT_KEYS}, record
+
+
 def shm_buffers(args: list[str]) -> list[Path]:
     """DeepSpeed's shared-memory all-reduce files left by the run launched with `args` (its port)."""
     port = args[args.index("--master-port") + 1]
