@@ -25,7 +25,18 @@ from pathlib import Path
 import pytest
 from cluster import Cluster, cluster, predicted_traffic, remote_worker, running_or_skip
 from dist import free_port
-from runkit import BASE_FLAGS, kill_tree, last_logged_step, latest, losses, metrics, run_env, start, wait_for
+from runkit import (
+    BASE_FLAGS,
+    assert_recomputed_bitwise,
+    kill_tree,
+    last_logged_step,
+    latest,
+    losses,
+    metrics,
+    run_env,
+    start,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +65,8 @@ class Jobs:
     dirs: dict[str, Path]
     codes: dict[str, int]
     outputs: dict[str, str]
-    before_kill: dict[int, float]  # the hsdp run's losses as logged before its worker was killed
+    before_kill: list[dict[str, object]]  # the hsdp run's metrics as logged before its worker was killed
+    killed_after: str  # the checkpoint the hsdp run had when it was killed, which resume starts from
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +96,8 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
         victim.kill()
         for name, run in runs.items():
             codes[name], outputs[name] = run.wait(JOB_TIMEOUT)
-        before_kill = losses(dirs["hsdp"])
+        before_kill, killed_after = metrics(dirs["hsdp"]), latest(dirs["hsdp"])
+        assert killed_after is not None
         resumed = start(
             ["resume", str(dirs["hsdp"]), "--master-port", str(free_port())],
             tmp / "resume.log",
@@ -94,7 +107,7 @@ def jobs(nodes: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     finally:
         for run in runs.values():
             kill_tree(run.proc.pid)
-    return Jobs(dirs, codes, outputs, before_kill)
+    return Jobs(dirs, codes, outputs, before_kill, killed_after)
 
 
 def test_hsdp_is_the_default_on_two_nodes_and_shards_within_each(jobs: Jobs) -> None:
@@ -126,9 +139,9 @@ def test_hsdp_killed_and_resumed_continues_bit_for_bit_and_follows_flat_fsdp2(jo
     assert resumed_steps == [str(s) for s in range(SAVE_EVERY + 1, STEPS + 1)]
     hsdp, flat = losses(jobs.dirs["hsdp"]), losses(jobs.dirs["flat"])
     assert sorted(hsdp) == sorted(flat) == list(range(1, STEPS + 1))
-    logged_twice = range(SAVE_EVERY + 1, KILLED_AT)
-    assert set(logged_twice) <= set(jobs.before_kill)
-    assert [hsdp[s] for s in logged_twice] == [jobs.before_kill[s] for s in logged_twice]
+    assert jobs.killed_after == f"step_{SAVE_EVERY:08d}"
+    assert set(range(SAVE_EVERY + 1, KILLED_AT)) <= {r["step"] for r in jobs.before_kill}  # logged twice
+    assert_recomputed_bitwise(jobs.before_kill, jobs.killed_after, jobs.dirs["hsdp"], STEPS)
     for step in flat:
         assert hsdp[step] == pytest.approx(flat[step], rel=1e-6, abs=0), step
 
