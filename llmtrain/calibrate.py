@@ -404,7 +404,7 @@ def measure(devices: int, precisions: tuple[str, ...], timeout: float = 600.0) -
     import queue as queue_module
 
     from llmtrain.errors import RunFailure
-    from llmtrain.parallel.distributed import free_port
+    from llmtrain.parallel.ports import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import psutil
+
+from llmtrain.parallel.ports import free_port
 
 T = TypeVar("T")
 
@@ -97,12 +98,6 @@ def install_packages(wanted: list[str]) -> None:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise Unavailable(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-300:]}")
-
-
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

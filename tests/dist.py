@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from llmtrain.parallel.ports import free_port
 
 
 def _worker(

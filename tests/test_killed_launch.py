@@ -7,7 +7,8 @@
 - DeepSpeed's shared-memory all-reduce buffers: a run's start removes those no live process holds open
   or maps, and keeps the others (llmtrain.parallel.shm).
 - A --master-port in use (29500 too, when typed) is refused in one line before anything starts; without
-  one, 29500 when in use gives way to a free port (llmtrain.run.launch).
+  one, 29500 when in use gives way to a free port (llmtrain.run.launch), drawn below the kernel's
+  ephemeral range (llmtrain.parallel.ports).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from runkit import BASE_FLAGS, last_logged_step, run_env, run_ok, shm_buffers, s
 
 from llmtrain import cli
 from llmtrain.config import LaunchConfig
-from llmtrain.parallel import shm
+from llmtrain.parallel import ports, shm
 from llmtrain.run import launch, orphans
 
 RUN_TIMEOUT = 300  # generous: cold starts of DeepSpeed on a busy 2-core machine
@@ -182,6 +183,27 @@ def test_the_default_port_typed_and_in_use_is_refused_not_swapped(
     monkeypatch.setattr(launch, "DEFAULT_MASTER_PORT", taken_port)
     with pytest.raises(launch.PortInUse, match=f"--master-port {taken_port} is in use"):
         launch.local_master_port(LaunchConfig(master_port=taken_port))  # --master-port 29500, typed
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_so_no_outgoing_connection_takes_it(
+    taken_port: int,
+) -> None:
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    drawn = {ports.free_port() for _ in range(20)}
+    assert all(ports.LOWEST <= port < first_ephemeral for port in drawn), drawn
+    assert len(drawn) > 1  # drawn at random: two runs started side by side must not collide
+    assert not any(ports.in_use(port) for port in drawn)
+    assert ports.in_use(taken_port)
+
+
+def test_a_free_port_comes_from_the_kernel_when_its_ephemeral_range_leaves_no_room_below(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wide = tmp_path / "ip_local_port_range"
+    wide.write_text("1024\t65535\n")
+    monkeypatch.setattr(ports, "_EPHEMERAL_RANGE", wide)
+    port = ports.free_port()
+    assert port >= 1024 and not ports.in_use(port)
 
 
 # ---------------------------------------------------------------- SIGKILL of the command alone

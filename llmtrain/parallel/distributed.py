@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
-from llmtrain.parallel import shm, traffic
+from llmtrain.parallel import ports, shm, traffic
 from llmtrain.parallel.node import inside_launcher, node_name
 from llmtrain.quiet import held_stdout
 
@@ -79,7 +79,7 @@ def init(timeout_s: float = 600.0) -> World:
     if not inside_launcher():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("MASTER_PORT", str(ports.free_port()))
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -144,12 +144,6 @@ def shutdown(barrier: bool = True) -> None:
     finally:
         dist.destroy_process_group()
         shm.remove_own_buffer(rank)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -16,12 +16,10 @@ already in use is refused in one line; the default, 29500, when in use is replac
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -32,7 +30,8 @@ from types import FrameType
 from llmtrain import rundir
 from llmtrain.config import LaunchConfig, TrainConfig, flag_for
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
-from llmtrain.parallel.distributed import free_port, select_accelerator
+from llmtrain.parallel import ports
+from llmtrain.parallel.distributed import select_accelerator
 from llmtrain.parallel.node import inside_launcher
 from llmtrain.quiet import debug_requested
 from llmtrain.run import nodes, orphans
@@ -168,25 +167,13 @@ def local_master_port(launch: LaunchConfig) -> int:
     needs to know on a single node."""
     port = launch.master_port
     if port is None:
-        return DEFAULT_MASTER_PORT if not _in_use(DEFAULT_MASTER_PORT) else free_port()
-    if not _in_use(port):
+        return DEFAULT_MASTER_PORT if not ports.in_use(DEFAULT_MASTER_PORT) else ports.free_port()
+    if not ports.in_use(port):
         return port
     holder = _listener(port)
     by = f" (by pid {holder})" if holder is not None else ""
     flag = flag_for("launch.master_port")
     raise PortInUse(f"{flag} {port} is in use{by}; pick another or omit it to use a free one")
-
-
-def _in_use(port: int) -> bool:
-    """Whether torch's store could not listen on `port`. SO_REUSEADDR as the store sets it: a port a
-    finished run's connections leave in TIME_WAIT is free; one a process listens on is not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
 
 
 def _listener(port: int) -> int | None:
