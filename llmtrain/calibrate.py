@@ -10,6 +10,8 @@ accelerator llmtrain would pick, each measuring what one rank gets while the oth
 * attention (scaled dot-product attention, forward and backward, causal) as a share of the peak;
 * an all-reduce of 16 MB and of one element over the N ranks (the collective backend llmtrain uses):
   the bus bandwidth and the latency of a ring step;
+* where the N processes share fewer cores: how much of a waiting rank's core the computing ranks take
+  up (half the ranks compute while the others wait in a collective, against all computing);
 * DeepSpeed's CPU Adam over 4M parameters on every rank at once: a node's update rate.
 
 The file is a complete cluster (`devices_per_node` = N, one node); each number's source names the
@@ -46,6 +48,8 @@ ALLREDUCE_BYTES = 16 << 20
 # The compute each CPU collective follows: a 1024-square fp32 product, tens of milliseconds per rank,
 # about what a block of a small model computes between two of its collectives.
 LOADED_MATMUL = 1024
+# The compute timed for core_handoff: long enough for the scheduler to settle which rank runs where.
+HANDOFF_WINDOW_S = 0.3
 COPY_BYTES = 256 << 20
 ADAM_PARAMETERS = 4_000_000
 REPEATS = 5
@@ -101,6 +105,7 @@ def measure_rank(precisions: tuple[str, ...], device: Any) -> dict[str, Any]:
         "host_bandwidth": _host_bandwidth(device),
         "attention": {name: _attention_flops(dtypes[name], device) for name in precisions},
         "allreduce": _allreduce(device),
+        "alone_over_all": _alone_over_all(device),
         "adam_rate": _adam_rate(),
         "engines": _engine_steps(device),
     }
@@ -178,6 +183,50 @@ def _allreduce(device: Any) -> dict[str, float]:
         "bus_bandwidth": ALLREDUCE_BYTES * steps / n / max(seconds - steps * latency, 1e-9),
         "latency": latency,
     }
+
+
+def _alone_over_all(device: Any) -> float | None:
+    """Where the ranks outnumber the cores: the time a fixed amount of compute takes on the even ranks
+    while the odd ones wait in a gloo barrier (as a pipeline stage waits for its neighbour), over the
+    time it takes with every rank computing; None on the odd ranks, on a GPU, or where each rank has a
+    core of its own. 1 where a waiting rank's core goes to nobody; cluster_document reads the share
+    handed over from it."""
+    import torch
+    import torch.distributed as dist
+
+    from llmtrain.parallel.distributed import usable_cores
+
+    n = dist.get_world_size()
+    if device.type != "cpu" or usable_cores() >= n:
+        return None
+    a = torch.randn(LOADED_MATMUL, LOADED_MATMUL)
+    per_call = torch.tensor([_seconds(functools.partial(torch.matmul, a, a))])
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+    calls = max(1, round(HANDOFF_WINDOW_S / per_call.item()))
+
+    def timed(computing: bool) -> float:
+        seconds = []
+        for _ in range(REPEATS):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(calls if computing else 0):
+                torch.matmul(a, a)
+            seconds.append(time.perf_counter() - started)
+            dist.barrier()  # the waiting ranks sleep here until the others have computed
+        return statistics.median(seconds)
+
+    everyone = timed(computing=True)
+    alone = timed(computing=dist.get_rank() % 2 == 0)
+    return alone / everyone if dist.get_rank() % 2 == 0 else None
+
+
+def core_handoff(alone_over_all: float, ranks: int, cores: int) -> float:
+    """The share of a waiting rank's core the computing ranks took up, from _alone_over_all's ratio:
+    0 at a ratio of 1 (nothing handed over), 1 at the ratio a full hand-over gives, where the
+    ceil(ranks / 2) computing ranks share the cores all ranks shared (each getting at most one)."""
+    computing = -(-ranks // 2)
+    full = (cores / ranks) / min(1.0, cores / computing)
+    return min(max((1 - alone_over_all) / (1 - full), 0.0), 1.0)
 
 
 def _adam_rate() -> float:
@@ -290,6 +339,9 @@ def cluster_document(
     }
     if host_cores:
         doc["host_cores"] = host_cores
+        ratios = [r["alone_over_all"] for r in ranks if r.get("alone_over_all") is not None]
+        if ratios:
+            doc["core_handoff"] = round(core_handoff(statistics.fmean(ratios), devices, host_cores), 2)
     links = [r["allreduce"] for r in ranks if r["allreduce"]]
     if links:
         bus = min(link["bus_bandwidth"] for link in links)

@@ -236,6 +236,17 @@ def test_the_matmul_curve_is_fitted_back_from_its_own_points() -> None:
     assert fit_matmul({64: 5e10, 256: 5e10, 1024: 5e10}) == (pytest.approx(5e10), pytest.approx(0, abs=1e-15))
 
 
+def test_core_handoff_reads_the_share_of_a_waiting_ranks_core_from_the_measured_ratio() -> None:
+    # 4 ranks on 2 cores: 2 computing alone take half the time all 4 take when the others' cores are
+    # theirs, all of it when not; 3 on 2: the 2 computing get a core each instead of 2/3 of one.
+    assert calibrate.core_handoff(0.5, ranks=4, cores=2) == 1.0
+    assert calibrate.core_handoff(1.0, ranks=4, cores=2) == 0.0
+    assert calibrate.core_handoff(0.75, ranks=4, cores=2) == pytest.approx(0.5)
+    assert calibrate.core_handoff(2 / 3, ranks=3, cores=2) == pytest.approx(1.0)
+    assert calibrate.core_handoff(0.45, ranks=4, cores=2) == 1.0  # noise past either end is clamped
+    assert calibrate.core_handoff(1.1, ranks=4, cores=2) == 0.0
+
+
 def test_spearman_ranks_ties_by_their_mean() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)

@@ -13,7 +13,7 @@ import pytest
 from bench import bench_plan
 from llmtrain.config import resolve
 from llmtrain.errors import ConfigError
-from llmtrain.planning import memory, traffic
+from llmtrain.planning import memory, timing, traffic
 from llmtrain.planning.flops import flops_per_token
 from llmtrain.planning.hardware import CLUSTERS, Cluster, builtin_cluster, cluster_from_dict, load_cluster
 from llmtrain.planning.timing import StepTime, step_time
@@ -121,6 +121,40 @@ def test_more_micro_batches_shrink_the_pipeline_bubble_share() -> None:
     assert _term(few, "pipeline sends") > 0
 
 
+def _shared_cores_pipeline(handoff: float) -> StepTime:
+    """pp2 x dp2 of the debug preset on 4 processes sharing 2 cores, as on a calibrated CPU."""
+    cpu = dataclasses.replace(CLUSTERS["h100"], host_cores=2, core_handoff=handoff, link_efficiency=1.0)
+    setup = _setup(
+        preset="debug", **{"train.precision": "fp32", "launch.gpus": 4, "parallel.pp": 2,
+                           "train.micro_batch": 1, "train.global_batch": 8}
+    )  # fmt: skip
+    return step_time(setup, cpu.with_size(4, 1))
+
+
+def test_a_waiting_stage_hands_its_cores_to_the_stage_at_work_as_far_as_calibrated() -> None:
+    kept, handed = _shared_cores_pipeline(0.0), _shared_cores_pipeline(1.0)
+    # Nothing handed over: every slot at the heaviest stage's pace (the one with the output layer), and
+    # the pp - 1 idle slots lost whole.
+    stages = [timing._stage_compute(kept.setup, kept.cluster, span).total for span in kept.setup.spans]
+    m = kept.setup.accumulation_steps
+    assert max(stages) > 1.05 * sum(stages) / 2  # the output layer's stage is the heavier
+    assert _term(kept, "compute") == pytest.approx(m * max(stages))
+    assert _term(kept, "pipeline bubble") >= max(stages)
+    # All of it: the two stages' ranks fill the two cores, so the work is spread evenly (the stages'
+    # mean per slot) and the bubble costs nothing.
+    assert _term(handed, "compute") == pytest.approx(m * sum(stages) / 2)
+    assert _term(handed, "pipeline bubble") == 0
+    half = _shared_cores_pipeline(0.5)
+    assert _term(half, "compute") == pytest.approx(m * (max(stages) + sum(stages) / 2) / 2)
+    assert handed.seconds < half.seconds < kept.seconds
+
+
+def test_a_gpu_pipeline_is_paced_by_its_heaviest_stage_whatever_core_handoff_says() -> None:
+    flags = {"zero.stage": 1, "parallel.pp": 4, "train.micro_batch": 1, "train.global_batch": 32}
+    stingy = dataclasses.replace(CLUSTERS["h100"], core_handoff=0.0)
+    assert _step(**flags).seconds == _step(stingy, **flags).seconds
+
+
 def test_tensor_parallelism_across_nodes_is_slower_than_inside_one() -> None:
     flags = {"zero.stage": 1, "parallel.tp": 2, "train.micro_batch": 1}
     inside = _step(**flags)
@@ -183,6 +217,7 @@ def test_a_cluster_file_may_describe_its_own_device(tmp_path: Path) -> None:
             r"give intra_node_bandwidth, inter_node_bandwidth, host_",
         ),
         ({"base": "tpu"}, r"no built-in device 'tpu'"),
+        ({"base": "h100", "core_handoff": 1.5}, r"core_handoff is a share of a core, 0 to 1, got 1.5"),
         ({"devices_per_node": 8, "device": {"name": "x"}}, r"device: missing memory_bandwidth, memory_bytes"),
     ],
 )

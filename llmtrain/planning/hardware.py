@@ -107,6 +107,11 @@ class Cluster:
     # The CPU cores a node's devices share, where they are processes on one host's cores (a calibrated
     # CPU); 0 where each device computes on its own (a GPU).
     host_cores: int = 0
+    # Where they do, the share of a waiting process's core that the processes at work take up (0: none,
+    # 1: all of it): the scheduler hands a core on when its process sleeps in a collective, unless the
+    # cores are two hyperthreads of one, where a thread running alone gains less. Measured by plan
+    # --calibrate; all of it where not measured.
+    core_handoff: float = 1.0
     # Seconds per parameter of a rank that each engine kind (timing.engine_kind) spends beyond the
     # modelled terms, per step and per micro-batch: hooks, bucket copies, flattening. Measured by
     # plan --calibrate; none where not measured (the built-in GPUs: there it hides under the kernels).
@@ -295,6 +300,10 @@ def cluster_from_dict(data: dict[str, Any], where: str) -> Cluster:
     device = _device_from(data.pop("device", None), base, where)
     overhead, steps = data.pop("engine_overhead", None), data.pop("engine_steps", None)
     values: dict[str, Any] = {key: _number(where, key, value) for key, value in data.items()}
+    if values.get("core_handoff", 0) > 1:
+        raise ConfigError(
+            f"{where}: core_handoff is a share of a core, 0 to 1, got {values['core_handoff']!r}"
+        )
     if overhead is not None:
         values["engine_overhead"] = _engine_overhead(overhead, where)
     if steps is not None:
@@ -379,6 +388,7 @@ _MAY_BE_ZERO = (
     "inter_node_latency",
     "per_step",
     "per_micro_batch",
+    "core_handoff",
 )
 
 

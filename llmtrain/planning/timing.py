@@ -21,7 +21,10 @@ precision, micro-batch and accumulation as DeepSpeed's dict has them) and from t
   all-reduces, Ulysses' all-to-alls and the pipeline's sends sit on the critical path. ZeRO++ hpZ
   gathers over the whole ZeRO group once per step, then inside the node.
 * A pipeline runs m + pp - 1 micro-batch slots per step on every stage; the pp - 1 it idles is the
-  bubble (both schedules have the same), the slots paced by the heaviest stage.
+  bubble (both schedules have the same), the slots paced by the heaviest stage. Where the devices are
+  processes sharing a host's cores, a stage that waits hands its cores to the stage at work (as much as
+  plan --calibrate measured: core_handoff): the bubble loses only the rest, and the heaviest stage's
+  slots shrink towards the stages' mean.
 * The optimizer step reads and writes the rank's fp32 partition (master weights, two moments, the
   gradient) at memory bandwidth; offloaded, the gradients go to the host and the weights come back over
   PCIe, and CPU Adam updates every rank's partition of a node at the node's rate (or the moments are
@@ -32,7 +35,8 @@ Pure functions, torch-free, like the memory model: predicting a 70B run costs mi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 
 from llmtrain.planning import traffic
 from llmtrain.planning.flops import (
@@ -113,7 +117,7 @@ def step_time(setup: Setup, cluster: Cluster) -> StepTime:
     sends = _pipeline_send_seconds(setup, cluster)
     model_parallel = _model_parallel_terms(setup, cluster, m)
     terms = [
-        TimeTerm("compute", m * micro.total, micro.note(m)),
+        TimeTerm("compute", m * micro.total, micro.note(m) + _pace_note(setup, cluster)),
         *model_parallel,
         *_sharding_terms(setup, cluster, micro, m),
     ]
@@ -132,17 +136,33 @@ def step_time(setup: Setup, cluster: Cluster) -> StepTime:
 
 
 def _bubble(setup: Setup, cluster: Cluster, slot: float) -> TimeTerm:
-    """The pp - 1 slots each stage idles while the pipeline fills and drains. Where the devices are
-    processes sharing a host's cores, an idle stage's cores go to the stages at work: only the cores
-    that one stage's ranks cannot fill are lost."""
+    """The pp - 1 slots each stage idles while the pipeline fills and drains, less the share of the
+    idle ranks' cores the stages at work take up where the devices are processes sharing a host's cores."""
     m, pp = setup.accumulation_steps, setup.layout.pp
     note = f"{pp - 1} of {m + pp - 1} slots idle while it fills and drains"
-    lost = 1.0
+    lost = 1 - _handed_over(setup, cluster)
     if cluster.shares_cores:
-        working = cluster.devices_per_node // pp  # a node's ranks of one stage
-        lost = max(0.0, 1 - working / cluster.host_cores)
         note += f"; {lost:.0%} of it lost, the idle ranks' {cluster.host_cores} cores going to the others"
     return TimeTerm("pipeline bubble", (pp - 1) * slot * lost, note)
+
+
+def _pace_note(setup: Setup, cluster: Cluster) -> str:
+    if setup.layout.pp == 1:
+        return ""
+    handed_over = _handed_over(setup, cluster)
+    if handed_over == 0:
+        return ", at the heaviest stage's pace"
+    return f", the heaviest stage's pace {handed_over:.0%} of the way to the stages' mean (cores handed over)"
+
+
+def _handed_over(setup: Setup, cluster: Cluster) -> float:
+    """The share of a waiting pipeline stage's cores that the stage at work takes up: none where each
+    device computes on its own (a GPU); where the devices are processes sharing a host's cores, what the
+    calibration measured (core_handoff), up to the cores one stage's ranks can fill."""
+    if not cluster.shares_cores or setup.layout.pp == 1:
+        return 0.0
+    working = cluster.devices_per_node // setup.layout.pp  # a node's ranks of one stage
+    return cluster.core_handoff * min(1.0, working / cluster.host_cores)
 
 
 # ---------------------------------------------------------------- compute
@@ -150,7 +170,7 @@ def _bubble(setup: Setup, cluster: Cluster, slot: float) -> TimeTerm:
 
 @dataclass(frozen=True)
 class MicroBatchCompute:
-    """One micro-batch's forward + backward (+ recompute) on the heaviest stage's rank, in seconds."""
+    """One micro-batch's forward + backward (+ recompute) on a stage's rank, in seconds."""
 
     matmul: float
     attention: float
@@ -161,6 +181,12 @@ class MicroBatchCompute:
     def total(self) -> float:
         return self.matmul + self.attention + self.elementwise
 
+    def paced(self, seconds: float) -> MicroBatchCompute:
+        """The same micro-batch taking `seconds` in all, each part in proportion."""
+        scale = seconds / self.total
+        return replace(self, matmul=self.matmul * scale, attention=self.attention * scale,
+                       elementwise=self.elementwise * scale)  # fmt: skip
+
     def note(self, micro_batches: int) -> str:
         return (
             f"{micro_batches} micro-batches x {self.total * 1e3:.3g} ms (matmuls at "
@@ -169,7 +195,17 @@ class MicroBatchCompute:
 
 
 def _micro_batch_compute(setup: Setup, cluster: Cluster) -> MicroBatchCompute:
-    span = _slowest_stage(setup)
+    """The slowest stage's micro-batch, which paces every stage's slot: less, where the stages share a
+    host's cores, the cores the lighter stages hand it while they wait (all of them: the stages' mean)."""
+    heaviest = _stage_compute(setup, cluster, _slowest_stage(setup))
+    handed_over = _handed_over(setup, cluster)
+    if handed_over == 0:
+        return heaviest
+    mean = statistics.fmean(_stage_compute(setup, cluster, span).total for span in setup.spans)
+    return heaviest.paced(heaviest.total - handed_over * (heaviest.total - mean))
+
+
+def _stage_compute(setup: Setup, cluster: Cluster, span: StageSpan) -> MicroBatchCompute:
     model, lay, device = setup.cfg.model, setup.layout, cluster.device
     tokens, seq = rank_tokens(setup), setup.cfg.train.seq_len
     recomputed = recomputed_blocks(setup, span.index)
