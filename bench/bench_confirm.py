@@ -2,7 +2,7 @@
 a dozen layouts of one model, each predicted by `llmtrain plan` and run by its `--confirm`, and how well
 the predictions rank and size the measured step times.
 
-`python -m bench confirm` (about 9 minutes on a 2-core CPU; run it on a quiet machine: another process
+`python -m bench confirm` (about 11 minutes on a 2-core AMD EPYC; run it on a quiet machine: another process
 on the cores moves the step times it measures):
 1. `llmtrain plan --calibrate FILE --gpus 4`: four gloo processes measure this machine (matmuls, memory,
    all-reduce, CPU Adam, and each engine kind's own per-parameter work on a real engine);
