@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from dist import run_distributed
 
 from llmtrain import calibrate
 from llmtrain.calibrate import fit_matmul
@@ -245,6 +246,31 @@ def test_core_handoff_reads_the_share_of_a_waiting_ranks_core_from_the_measured_
     assert calibrate.core_handoff(2 / 3, ranks=3, cores=2) == pytest.approx(1.0)
     assert calibrate.core_handoff(0.45, ranks=4, cores=2) == 1.0  # noise past either end is clamped
     assert calibrate.core_handoff(1.1, ranks=4, cores=2) == 0.0
+
+
+def _alone_over_all(rank: int, world_size: int) -> float | None:
+    import torch
+
+    from llmtrain.parallel.distributed import share_cores
+
+    share_cores(world_size)  # as calibrate's ranks share the cores
+    return calibrate._alone_over_all(torch.device("cpu"))
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) >= 4, reason="needs more processes than cores: 4 on at most 3"
+)
+def test_the_core_handoff_probe_times_the_even_ranks_alone_against_all_four() -> None:
+    """4 gloo processes on this machine's cores (about 10 s): the odd ranks wait in a barrier while the
+    even ones compute; their time over the time with all four computing is between a full hand-over's
+    (ranks / 2 computing get at most a core each) and a little over 1 (nothing handed over, noise)."""
+    ratios = run_distributed(_alone_over_all, 4, timeout=120)
+    assert ratios[1] is None and ratios[3] is None
+    cores = len(os.sched_getaffinity(0))
+    full = (cores / 4) / min(1.0, cores / 2)
+    for ratio in (ratios[0], ratios[2]):
+        assert full * 0.8 < ratio < 1.3, ratios
+    assert 0 <= calibrate.core_handoff((ratios[0] + ratios[2]) / 2, ranks=4, cores=cores) <= 1
 
 
 def test_spearman_ranks_ties_by_their_mean() -> None:
