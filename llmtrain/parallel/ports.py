@@ -2,10 +2,10 @@
 
 A port from the kernel's ephemeral range (what binding port 0 hands out) is free only until some process
 on the machine opens an outgoing connection: the kernel may give that connection the same local port,
-and gloo opens dozens per process group. Between the pick and rank 0's listen (seconds: the workers
-import torch first) such a port was taken on a 2-core machine running two DeepSpeed jobs side by side;
-rank 0 could not listen and every other rank's connect was reset. A port below the ephemeral range is
-never handed out that way: only another process asking for that very port can take it.
+and gloo listens and connects on dozens per process group. Seen with two DeepSpeed jobs side by side on
+one machine: between the pick and rank 0's listen (seconds: the workers import torch first) the port was
+taken, and the other ranks' connects to it were reset. A port below the ephemeral range is never handed
+out that way: only another process asking for that very port can take it.
 """
 
 from __future__ import annotations
