@@ -128,12 +128,13 @@ def test_the_estimator_plans_auto_as_bf16_and_leaves_the_config_alone(
 
 
 def test_the_probe_is_cheap() -> None:
-    """The bf16-vs-fp32 measurement, timed here (the budget: under 0.5 s even on a slow CPU; this bound
-    leaves room for a loaded machine)."""
-    started = time.perf_counter()
+    """The bf16-vs-fp32 measurement costs under a second of CPU (its budget: 0.5 s even on a slow CPU). It
+    runs on this thread alone (one intra-op thread), so this thread's CPU time is its cost, whatever else
+    the machine is running: wall time on a loaded CI machine would measure the neighbours."""
+    started = time.thread_time()
     slowdown = precision._bf16_slowdown()
-    took = time.perf_counter() - started
-    print(f"bf16 matmul / fp32 matmul: {slowdown:.1f}x, measured in {took * 1000:.0f} ms")
+    took = time.thread_time() - started
+    print(f"bf16 matmul / fp32 matmul: {slowdown:.1f}x, measured in {took * 1000:.0f} ms of CPU")
     assert slowdown > 0 and took < 1.0
 
 
