@@ -185,7 +185,7 @@ class BareLoopRunner:
 
         from llmtrain.engine.ds_engine import param_groups
         from llmtrain.model import build_model
-        from llmtrain.parallel.distributed import select_accelerator
+        from llmtrain.parallel.accelerator import select_accelerator
 
         if setup.precision != "fp32":
             raise ValueError("the bare loop is the fp32 reference")

@@ -186,7 +186,7 @@ def _engine_settings(cfg: config_mod.TrainConfig, world: int) -> dict[str, Any]:
         from llmtrain.planning import fsdp2_plan
 
         return fsdp2_plan.build(cfg, world)
-    from llmtrain.parallel.distributed import select_accelerator
+    from llmtrain.parallel.accelerator import select_accelerator
     from llmtrain.planning import dsconfig
 
     return dsconfig.build(cfg, world, accelerator=select_accelerator())
@@ -424,7 +424,8 @@ def _calibrate(path: Path, gpus: str | None) -> None:
     """Measure this machine in --gpus processes (default: its CUDA devices, else its cores) and write
     the cluster file."""
     from llmtrain import calibrate, rundir
-    from llmtrain.parallel.distributed import select_accelerator, usable_cores
+    from llmtrain.parallel.accelerator import select_accelerator
+    from llmtrain.parallel.distributed import usable_cores
 
     check_output_file(path, "--calibrate", force=False)
     accelerator = select_accelerator()

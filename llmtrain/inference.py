@@ -129,7 +129,7 @@ def _prepared(cfg: TrainConfig) -> PreparedData:
 
 def load_weights(run: RunCheckpoint) -> dict[str, torch.Tensor]:
     """Full fp32 weights of the chosen checkpoint, with our parameter names."""
-    from llmtrain.parallel.distributed import select_accelerator
+    from llmtrain.parallel.accelerator import select_accelerator
 
     select_accelerator()  # DeepSpeed is imported below: name the accelerator instead of letting it guess
     chatter = io.StringIO()

@@ -167,7 +167,7 @@ def _best_seconds(a: Any, b: Any) -> float:
 
 def this_accelerator() -> str:
     """The accelerator a run here uses (DS_ACCELERATOR, else cuda when a GPU is visible)."""
-    from llmtrain.parallel.distributed import select_accelerator
+    from llmtrain.parallel.accelerator import select_accelerator
 
     return select_accelerator()
 

@@ -1,8 +1,4 @@
-"""Process-group set-up and the few collectives the trainer needs.
-
-DeepSpeed picks its accelerator when first imported; `select_accelerator()` must run before that, so
-a CPU machine gets DeepSpeed's `cpu` accelerator and gloo without the user setting DS_ACCELERATOR.
-"""
+"""Process-group set-up and the few collectives the trainer needs."""
 
 from __future__ import annotations
 
@@ -19,15 +15,9 @@ import torch.distributed as dist
 
 from llmtrain.errors import RunFailure
 from llmtrain.parallel import ports, shm, traffic
+from llmtrain.parallel.accelerator import select_accelerator
 from llmtrain.parallel.node import inside_launcher, node_name
 from llmtrain.quiet import held_stdout
-
-
-def select_accelerator() -> str:
-    """ "cuda" when a GPU is usable, else "cpu"; exported as DS_ACCELERATOR for DeepSpeed."""
-    chosen = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
-    os.environ["DS_ACCELERATOR"] = chosen
-    return chosen
 
 
 def share_cores(local_ranks: int) -> None:

@@ -31,7 +31,7 @@ from llmtrain import rundir
 from llmtrain.config import LaunchConfig, TrainConfig, flag_for
 from llmtrain.errors import EXIT_BAD_INPUT, BadInput
 from llmtrain.parallel import ports
-from llmtrain.parallel.distributed import select_accelerator
+from llmtrain.parallel.accelerator import select_accelerator
 from llmtrain.parallel.node import inside_launcher
 from llmtrain.quiet import debug_requested
 from llmtrain.run import nodes, orphans

@@ -205,10 +205,10 @@ def check_inputs(cfg: TrainConfig) -> None:
 def pin_init_source(cfg: TrainConfig, run_dir: Path) -> None:
     """Check `--init-from`'s weights before any worker starts, and pin a run source to the checkpoint
     step it resolves to (config.yaml then records exactly where the run started)."""
-    from llmtrain import export, inference, init_source
-
     if cfg.train.init_from is None:
         return
+    from llmtrain import export, inference, init_source  # torch: only a run that starts from weights
+
     source = init_source.parse(cfg.train.init_from)
     if source.kind == "hf":
         init_source.check_hf_weights(source.path, export.expected_shapes(cfg.model))

@@ -24,11 +24,13 @@ import resource
 import signal
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmtrain.config import ConfigError
 from llmtrain.train.hooks import TrainHook
+
+if TYPE_CHECKING:  # annotations only (the launching process checks LLMTRAIN_FAULTS without torch)
+    import torch
 
 ENV = "LLMTRAIN_FAULTS"
 FIRST_ATTEMPT_ONLY = "#first"

@@ -14,8 +14,10 @@ the profiler (`llmtrain.train.profile`) another, registered only with --profile.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the launching process imports these modules and never torch
+    import torch
 
 
 class TrainHook:
