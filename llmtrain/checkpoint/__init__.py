@@ -18,7 +18,11 @@
 Callers use this package as one module: `from llmtrain import checkpoint; checkpoint.save(...)`.
 """
 
-from llmtrain.checkpoint.commit import plan_prune, prune, save, write_deepspeed_files
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from llmtrain.checkpoint.common import (
     LATEST,
     MANIFEST,
@@ -32,25 +36,51 @@ from llmtrain.checkpoint.common import (
     SaveResult,
     tag_for,
 )
-from llmtrain.checkpoint.consolidate import consolidated_fp32_state_dict
 from llmtrain.checkpoint.reading import (
     checkpoint_dir,
     choose_checkpoint,
     list_complete,
+    needs_universal,
     read_latest,
     read_manifest,
+    saved_layout,
     verify,
 )
-from llmtrain.checkpoint.rng import restore_rng, rng_state
-from llmtrain.checkpoint.safeload import (
-    load,
-    load_deepspeed_files,
-    read_client_state,
-    scan_pickles,
-    weights_only_loads,
-)
-from llmtrain.checkpoint.space import SizeEstimate, SpaceRule, expected_size, free_bytes
-from llmtrain.checkpoint.universal import convert_to_universal, needs_universal, saved_layout
+
+if TYPE_CHECKING:
+    from llmtrain.checkpoint.commit import plan_prune, prune, save, write_deepspeed_files
+    from llmtrain.checkpoint.consolidate import consolidated_fp32_state_dict
+    from llmtrain.checkpoint.rng import restore_rng, rng_state
+    from llmtrain.checkpoint.safeload import (
+        load,
+        load_deepspeed_files,
+        read_client_state,
+        scan_pickles,
+        weights_only_loads,
+    )
+    from llmtrain.checkpoint.space import SizeEstimate, SpaceRule, expected_size, free_bytes
+    from llmtrain.checkpoint.universal import convert_to_universal
+
+# The parts that need torch, imported on first use: `llmtrain resume` and `train --resume auto` read
+# the checkpoints (common, reading) in the launching process, which trains nothing and imports no torch.
+_NEED_TORCH = {
+    "commit": ("plan_prune", "prune", "save", "write_deepspeed_files"),
+    "consolidate": ("consolidated_fp32_state_dict",),
+    "rng": ("restore_rng", "rng_state"),
+    "safeload": ("load", "load_deepspeed_files", "read_client_state", "scan_pickles", "weights_only_loads"),
+    "space": ("SizeEstimate", "SpaceRule", "expected_size", "free_bytes"),
+    "universal": ("convert_to_universal",),
+}
+_HOME = {name: module for module, names in _NEED_TORCH.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
 
 __all__ = [
     "LATEST",

@@ -23,6 +23,7 @@ from llmtrain.checkpoint.common import (
     files_in,
     sha256,
 )
+from llmtrain.planning.layout import Layout
 
 
 def read_latest(ckpt_root: Path) -> str | None:
@@ -176,3 +177,16 @@ def checkpoint_dir(ckpt_root: Path, tag: str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint")
     return path
+
+
+def saved_layout(info: CheckpointInfo, current: Layout) -> Layout:
+    """The layout that saved `info`; a manifest written before layouts were recorded had the run's own
+    model-parallel degrees (they could not change on a resume then)."""
+    axes = info.layout or {"tp": current.tp, "sp": current.sp, "pp": current.pp}
+    return Layout(info.world_size, **axes)
+
+
+def needs_universal(info: CheckpointInfo, layout: Layout) -> bool:
+    """True when the optimizer state is sharded per rank and the layout changed: another world size, or
+    other tp / pp degrees on the same one."""
+    return info.partitioned and saved_layout(info, layout) != layout

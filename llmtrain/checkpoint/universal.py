@@ -40,7 +40,6 @@ from llmtrain.checkpoint.reading import checkpoint_dir, read_info
 from llmtrain.checkpoint.safeload import scan_pickles, weights_only_loads
 from llmtrain.fsutil import write_atomic
 from llmtrain.planning import partition
-from llmtrain.planning.layout import Layout
 
 
 def client_state() -> dict[str, Any]:
@@ -61,19 +60,6 @@ def client_state() -> dict[str, Any]:
         uc.TP_REPLICATED_PARAMETER_PATTERNS: [rf"(.*\.)?{name}\.weight$" for name in partition.WHOLE],
     }
     return {uc.UNIVERSAL_CHECKPOINT_INFO: info}
-
-
-def needs_universal(info: CheckpointInfo, layout: Layout) -> bool:
-    """True when the optimizer state is sharded per rank and the layout changed: another world size, or
-    other tp / pp degrees on the same one."""
-    return info.partitioned and saved_layout(info, layout) != layout
-
-
-def saved_layout(info: CheckpointInfo, current: Layout) -> Layout:
-    """The layout that saved `info`; a manifest written before layouts were recorded had the run's own
-    model-parallel degrees (they could not change on a resume then)."""
-    axes = info.layout or {"tp": current.tp, "sp": current.sp, "pp": current.pp}
-    return Layout(info.world_size, **axes)
 
 
 def convert_to_universal(ckpt_root: Path, tag: str, workers: int = 1) -> Path:

@@ -3,8 +3,8 @@
 DeepSpeed picks its accelerator when first imported, and on a machine without a GPU it guesses CUDA;
 `select_accelerator()` must run before that, so a CPU machine gets DeepSpeed's `cpu` accelerator and
 gloo without the user setting DS_ACCELERATOR. Free of torch where DS_ACCELERATOR is already set: the
-launching `llmtrain` process, which trains nothing, then never imports it (1.3 s of CPU per launch on a
-2-core AMD EPYC, paid again by every relaunch and resume).
+launching `llmtrain` process, which trains nothing, then never imports it (1.4 s of CPU per launch on a
+2-core AMD EPYC).
 """
 
 from __future__ import annotations
