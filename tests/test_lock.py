@@ -4,10 +4,10 @@ In this process: a held run directory is refused naming its holder (at once, or 
 lock left by a dead process is taken over with a warning, the descriptor never reaches a child process,
 and a refused run leaves the directory as it found it. Through the real command line (subprocesses):
 a second `train` on a live run is refused naming the first's pid before it imports torch (at once,
-however loaded the machine), `resume` after a
-SIGKILL takes the stale lock over, and `train --resume auto` waits for the holder and then resumes its
-checkpoint. The holder is made to hang (LLMTRAIN_FAULTS) right after its first checkpoint, so it holds
-the lock for as long as a test needs, with no race against its end.
+however loaded the machine), `resume` after a SIGKILL takes the stale lock over, and
+`train --resume auto` waits for the holder and then resumes its checkpoint. The holder is made to hang
+(LLMTRAIN_FAULTS) right after its first checkpoint, so it holds the lock for as long as a test needs,
+with no race against its end.
 """
 
 from __future__ import annotations
